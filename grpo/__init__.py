@@ -1,0 +1,1 @@
+"""Building blocks for GRPO fine-tuning of FLUX under DeepSpeed ZeRO-3 (NPU, CUDA, CPU)."""

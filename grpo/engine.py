@@ -1,0 +1,137 @@
+"""DeepSpeed ZeRO-3 engines for the policy (full or LoRA) and the reference, and gathered exports.
+
+The JSON files in ds_configs/ hold sharding, offload and precision; the batch, accumulation and clipping fields
+come from the recipe config (one source of truth) and are filled in here. Only the Flux transformer goes through
+DeepSpeed: the VAE, text encoders and reward models stay outside, because zero.Init/initialize would partition
+(empty) their parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import deepspeed
+import torch
+from peft import LoraConfig as PeftLoraConfig
+
+from grpo.config import Layout, RecipeConfig
+from grpo.errors import ConfigError
+
+_FILLED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping")
+
+
+def load_ds_config(path: str, cfg: RecipeConfig, layout: Layout) -> dict:
+    """Read a ds_configs/*.json file, check it, and fill the fields the recipe owns."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"deepspeed.config: {path} does not exist; use one of ds_configs/*.json")
+    try:
+        ds = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"deepspeed.config: {path} is not valid JSON (line {e.lineno}); fix the syntax") from None
+    stage = ds.get("zero_optimization", {}).get("stage")
+    if stage != 3:
+        raise ConfigError(f"deepspeed.config: {path} has zero_optimization.stage={stage}; these recipes need 3")
+    clash = [k for k in _FILLED if k in ds]
+    if clash:
+        raise ConfigError(
+            f"deepspeed.config: {path} sets {clash[0]}; remove it, the recipe derives it from batch.* and optim.*"
+        )
+    if "optimizer" in ds or "scheduler" in ds:
+        raise ConfigError(f"deepspeed.config: {path} declares an optimizer/scheduler; remove it, set optim.* instead")
+    ds.update(
+        train_micro_batch_size_per_gpu=layout.micro_batch_size,
+        gradient_accumulation_steps=layout.grad_accum_steps,
+        train_batch_size=layout.ds_train_batch_size,
+        gradient_clipping=cfg.optim.max_grad_norm,
+    )
+    return ds
+
+
+def precision(ds: dict) -> torch.dtype:
+    """The dtype DeepSpeed keeps the module's (gathered) weights in."""
+    if ds.get("bf16", {}).get("enabled"):
+        return torch.bfloat16
+    if ds.get("fp16", {}).get("enabled"):
+        return torch.float16
+    return torch.float32
+
+
+def add_lora(transformer: torch.nn.Module, cfg: RecipeConfig) -> None:
+    """Freeze the base and add a PEFT adapter (diffusers' PeftAdapterMixin keeps disable_adapters() available)."""
+    transformer.requires_grad_(False)
+    transformer.add_adapter(
+        PeftLoraConfig(
+            r=cfg.lora.rank,
+            lora_alpha=cfg.lora.alpha,
+            lora_dropout=cfg.lora.dropout,
+            init_lora_weights=cfg.lora.init,
+            target_modules=cfg.lora.target_modules,
+        )
+    )
+
+
+def build_policy(transformer: torch.nn.Module, cfg: RecipeConfig, ds: dict):
+    """Wrap the transformer (LoRA or full) in a ZeRO-3 training engine with AdamW and a warmup schedule."""
+    if cfg.lora is not None:
+        add_lora(transformer, cfg)
+    else:
+        transformer.requires_grad_(True)
+    if cfg.model.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    if not params:
+        raise ConfigError("lora.target_modules: matched no module of the transformer; check the module names")
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    warmup = max(o.warmup_steps, 0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=transformer, optimizer=optimizer, lr_scheduler=scheduler, config=ds
+    )
+    return engine, scheduler
+
+
+def build_reference(transformer: torch.nn.Module, ds: dict):
+    """A ZeRO-3 inference engine (no optimizer) for the full fine-tune's frozen reference: each rank keeps a shard."""
+    transformer.requires_grad_(False).eval()
+    ref_ds = copy.deepcopy(ds)
+    ref_ds.pop("gradient_clipping", None)
+    engine, *_ = deepspeed.initialize(model=transformer, config=ref_ds)
+    engine.eval()
+    return engine
+
+
+def lora_state_dict(engine) -> dict[str, torch.Tensor] | None:
+    """Gather the LoRA weights on every rank (collective); return them on rank 0 in PEFT naming, else None."""
+    from peft.utils import get_peft_model_state_dict
+
+    lora = [p for n, p in engine.module.named_parameters() if "lora_" in n]
+    with deepspeed.zero.GatheredParameters(lora, modifier_rank=None):
+        if torch.distributed.get_rank() != 0:
+            return None
+        return {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(engine.module).items()}
+
+
+def save_lora(engine, out_dir: str | Path) -> None:
+    """diffusers LoRA format, loadable by FluxPipeline.load_lora_weights (collective)."""
+    from diffusers import FluxPipeline
+
+    state = lora_state_dict(engine)
+    if state is not None:
+        FluxPipeline.save_lora_weights(str(out_dir), transformer_lora_layers=state, safe_serialization=True)
+
+
+def save_full(engine, out_dir: str | Path) -> None:
+    """A FluxTransformer2DModel folder (config + safetensors shards), gathered shard by shard (collective)."""
+    from huggingface_hub import save_torch_state_dict
+
+    state = engine._zero3_consolidated_16bit_state_dict()  # rank 0 gets the tensors, others an empty dict
+    if torch.distributed.get_rank() == 0:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        engine.module.save_config(str(out_dir))
+        save_torch_state_dict(state, str(out_dir), filename_pattern="diffusion_pytorch_model{suffix}.safetensors",
+                              max_shard_size="10GB")

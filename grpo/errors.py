@@ -1,0 +1,2 @@
+class ConfigError(ValueError):
+    """A bad setting: the message names the setting and the fix."""

@@ -1,0 +1,150 @@
+"""FLUX plumbing: loading the pipeline parts, latent packing, ids, the transformer call and VAE decoding.
+
+Everything goes through diffusers' own classes and FluxPipeline's static helpers, so a local tiny folder and
+black-forest-labs/FLUX.1-dev load and run through exactly the same code.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from diffusers.image_processor import VaeImageProcessor
+
+from grpo.errors import ConfigError
+
+def resolve_model_path(path: str, revision: str | None = None) -> str:
+    """Return a local folder for `path` (a local folder or a hub id), or raise a one-line ConfigError.
+
+    Hub ids resolve through the local Hugging Face cache; with HF_HUB_OFFLINE=1 nothing is downloaded.
+    """
+    if Path(path).is_dir():
+        if not (Path(path) / "model_index.json").is_file():
+            raise ConfigError(
+                f"model.path: {path} has no model_index.json; point it at a diffusers FLUX folder "
+                "(e.g. assets/tiny-flux or a downloaded black-forest-labs/FLUX.1-dev)"
+            )
+        return path
+    if path.count("/") != 1 or path.startswith((".", "/")):
+        raise ConfigError(f"model.path: {path} is not a folder; give a local diffusers folder or a hub id such as "
+                          "black-forest-labs/FLUX.1-dev")
+    from huggingface_hub import snapshot_download
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    try:
+        return snapshot_download(path, revision=revision, local_files_only=offline,
+                                 allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
+    except Exception as e:  # noqa: BLE001 -- any hub failure becomes one actionable line
+        raise ConfigError(
+            f"model.path: {path} is not a local folder and could not be found in the Hugging Face cache "
+            f"({type(e).__name__}); run `huggingface-cli download {path}` on a machine with access, "
+            "or set model.path to a local folder"
+        ) from None
+
+
+@dataclass
+class FluxParts:
+    """The pieces of a FLUX pipeline the trainer needs (text encoders are not among them)."""
+
+    transformer: FluxTransformer2DModel
+    vae: AutoencoderKL
+    scheduler_config: dict
+    vae_scale_factor: int
+
+    def latent_size(self, resolution: int) -> int:
+        """Side of the (unpacked) VAE latent grid; FluxPipeline.prepare_latents' arithmetic."""
+        return 2 * (resolution // (self.vae_scale_factor * 2))
+
+
+def load_transformer(path: str, dtype: torch.dtype = torch.float32) -> FluxTransformer2DModel:
+    return FluxTransformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
+
+
+def load_parts(path: str, vae_dtype: torch.dtype = torch.float32,
+               transformer_dtype: torch.dtype = torch.float32) -> FluxParts:
+    """Load the transformer (to be handed to DeepSpeed), the frozen VAE and the scheduler config."""
+    transformer = load_transformer(path, transformer_dtype)
+    vae = AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=vae_dtype)
+    vae.requires_grad_(False).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
+    vsf = 2 ** (len(vae.config.block_out_channels) - 1)
+    return FluxParts(transformer, vae, dict(scheduler.config), vsf)
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] -> [B, (h/2)(w/2), 4C] (FluxPipeline._pack_latents)."""
+    b, c, h, w = latents.shape
+    return FluxPipeline._pack_latents(latents, b, c, h, w)
+
+
+def unpack(latents: torch.Tensor, resolution: int, vae_scale_factor: int) -> torch.Tensor:
+    """[B, S, 4C] -> [B, C, h, w] (FluxPipeline._unpack_latents)."""
+    return FluxPipeline._unpack_latents(latents, resolution, resolution, vae_scale_factor)
+
+
+def image_ids(latent_size: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[S, 3] RoPE positions of the packed image tokens (FluxPipeline._prepare_latent_image_ids)."""
+    return FluxPipeline._prepare_latent_image_ids(1, latent_size // 2, latent_size // 2, device, dtype)
+
+
+@dataclass
+class Conditioning:
+    """Transformer inputs that do not change along a trajectory."""
+
+    prompt_embeds: torch.Tensor  # [B, L, D]
+    pooled: torch.Tensor  # [B, Dp]
+    txt_ids: torch.Tensor  # [L, 3]
+    img_ids: torch.Tensor  # [S, 3]
+    guidance: torch.Tensor | None  # [B] float32, None for models without a guidance embedding
+
+    def select(self, rows: slice | torch.Tensor) -> "Conditioning":
+        guidance = None if self.guidance is None else self.guidance[rows]
+        return Conditioning(self.prompt_embeds[rows], self.pooled[rows], self.txt_ids, self.img_ids, guidance)
+
+
+def make_conditioning(prompt_embeds: torch.Tensor, pooled: torch.Tensor, latent_size: int, guidance: float,
+                      guidance_embeds: bool, device: torch.device, dtype: torch.dtype) -> Conditioning:
+    b, length = prompt_embeds.shape[:2]
+    return Conditioning(
+        prompt_embeds=prompt_embeds.to(device=device, dtype=dtype),
+        pooled=pooled.to(device=device, dtype=dtype),
+        txt_ids=torch.zeros(length, 3, device=device, dtype=dtype),
+        img_ids=image_ids(latent_size, device, dtype),
+        # FluxPipeline builds guidance in float32 whatever the model dtype; so do we.
+        guidance=torch.full((b,), guidance, device=device, dtype=torch.float32) if guidance_embeds else None,
+    )
+
+
+def velocity(model: torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor,
+             cond: Conditioning) -> torch.Tensor:
+    """One transformer call, with FluxPipeline's argument conventions; returns float32 velocity [B, S, 4C].
+
+    `timestep` is sigma (diffusers multiplies by 1000 inside); `latents` float32, cast to the model's dtype.
+    """
+    dtype = cond.prompt_embeds.dtype
+    out = model(
+        hidden_states=latents.to(dtype),
+        timestep=timestep.to(dtype),
+        guidance=cond.guidance,
+        pooled_projections=cond.pooled,
+        encoder_hidden_states=cond.prompt_embeds,
+        txt_ids=cond.txt_ids,
+        img_ids=cond.img_ids,
+        return_dict=False,
+    )[0]
+    return out.float()
+
+
+_POSTPROCESS = VaeImageProcessor(do_normalize=True)
+
+
+@torch.no_grad()
+def decode(vae: AutoencoderKL, packed: torch.Tensor, resolution: int, vae_scale_factor: int) -> torch.Tensor:
+    """Packed latents -> images [B, 3, H, W] in [0, 1], exactly as FluxPipeline(output_type="pt") decodes."""
+    latents = unpack(packed, resolution, vae_scale_factor)
+    latents = latents / vae.config.scaling_factor + vae.config.shift_factor
+    image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+    return _POSTPROCESS.postprocess(image, output_type="pt").float()

@@ -1,0 +1,140 @@
+"""Prompt files and the precomputed prompt-embedding cache (DanceGRPO's preprocessing step).
+
+Training never holds the text encoders: `python -m grpo.prompts CONFIG [key=value ...]` encodes the train and eval
+prompt files once with the pipeline's own `encode_prompt` into safetensors files under `data.cache_dir`, named by
+a hash of (model, max_sequence_length, prompts), so a changed prompt file or model never reads a stale cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from grpo.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def read_prompt_file(path: str | Path, setting: str = "data.train_prompts") -> list[str]:
+    """One prompt per line; blank lines and lines starting with '#' are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{setting}: {path} does not exist; give a text file with one prompt per line")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{setting}: {path} is not UTF-8 text; save it as UTF-8 with one prompt per line") from None
+    if "\x00" in text:
+        raise ConfigError(f"{setting}: {path} looks binary (NUL bytes); give a text file with one prompt per line")
+    prompts = [line.strip() for line in text.splitlines()]
+    prompts = [p for p in prompts if p and not p.startswith("#")]
+    if not prompts:
+        raise ConfigError(f"{setting}: {path} holds no prompts; write one prompt per line")
+    return prompts
+
+
+def cache_file(cache_dir: str | Path, model_path: str, prompts: list[str], max_sequence_length: int,
+               stem: str) -> Path:
+    # The text encoders' file stats are in the key too: a rebuilt model at the same path gets a fresh cache.
+    stats = sorted(
+        (str(f.relative_to(model_path)), f.stat().st_size, f.stat().st_mtime_ns)
+        for sub in ("text_encoder", "text_encoder_2")
+        for f in (Path(model_path) / sub).glob("*")
+        if f.is_file()
+    )
+    key = json.dumps([model_path, max_sequence_length, prompts, stats]).encode()
+    return Path(cache_dir) / f"{stem}-{hashlib.sha256(key).hexdigest()[:12]}.safetensors"
+
+
+@dataclass
+class PromptCache:
+    prompts: list[str]
+    prompt_embeds: torch.Tensor  # [P, L, D] (T5)
+    pooled: torch.Tensor  # [P, Dp] (CLIP pooled)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+@torch.no_grad()
+def encode(model_path: str, prompts: list[str], max_sequence_length: int, device: torch.device,
+           batch_size: int = 64, dtype: torch.dtype = torch.float32) -> PromptCache:
+    """Encode prompts with the pipeline's text encoders (FluxPipeline.encode_prompt), then free them."""
+    from diffusers import FluxPipeline
+
+    pipe = FluxPipeline.from_pretrained(model_path, transformer=None, vae=None, torch_dtype=dtype)
+    pipe.text_encoder.to(device)
+    pipe.text_encoder_2.to(device)
+    embeds, pooled = [], []
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i : i + batch_size]
+        e, p, _ = pipe.encode_prompt(chunk, chunk, device=device, max_sequence_length=max_sequence_length)
+        embeds.append(e.float().cpu())
+        pooled.append(p.float().cpu())
+    del pipe
+    return PromptCache(prompts, torch.cat(embeds), torch.cat(pooled))
+
+
+def save_cache(cache: PromptCache, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file({"prompt_embeds": cache.prompt_embeds.contiguous(), "pooled": cache.pooled.contiguous()}, str(tmp),
+              metadata={"prompts": json.dumps(cache.prompts)})
+    tmp.replace(path)  # atomic: a reader never sees half a cache
+
+
+def load_cache(path: str | Path) -> PromptCache:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        prompts = json.loads(f.metadata()["prompts"])
+    tensors = load_file(str(path))
+    return PromptCache(prompts, tensors["prompt_embeds"], tensors["pooled"])
+
+
+def ensure_cache(model_path: str, prompt_file: str, setting: str, cache_dir: str, max_sequence_length: int,
+                 device: torch.device) -> Path:
+    """Return the cache file for `prompt_file`, encoding it first if it is not there yet."""
+    prompts = read_prompt_file(prompt_file, setting)
+    path = cache_file(cache_dir, model_path, prompts, max_sequence_length, Path(prompt_file).stem)
+    if not path.is_file():
+        log.info("encoding %d prompts of %s into %s", len(prompts), prompt_file, path)
+        save_cache(encode(model_path, prompts, max_sequence_length, device), path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m grpo.prompts CONFIG [key=value ...]`: precompute the embedding caches of a preset."""
+    from grpo.config import load_config
+    from grpo.flux import resolve_model_path
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(main.__doc__)
+        return 0 if argv else 2
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        cfg = load_config(argv[0], argv[1:])
+        model_path = resolve_model_path(cfg.model.path, cfg.model.revision)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        files = [("data.train_prompts", cfg.data.train_prompts), ("data.eval_prompts", cfg.data.eval_prompts)]
+        for setting, prompt_file in files:
+            if prompt_file:
+                print(ensure_cache(model_path, prompt_file, setting, cfg.data.cache_dir,
+                                   cfg.data.max_sequence_length, device))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

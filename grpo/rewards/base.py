@@ -1,0 +1,155 @@
+"""The reward interface: images in [0, 1] + prompts -> one float32 score per image, batched, without gradients."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from grpo.rewards.hub import FileRef
+from grpo.rewards.options import COMMON_OPTIONS, Option, parse_dtype
+from grpo.rewards.preprocess import check_images
+
+__all__ = ["Reward", "ModelReward", "unique_prompts", "freeze"]
+
+logger = logging.getLogger(__name__)
+
+
+def unique_prompts(prompts: Sequence[str]) -> tuple[list[str], Tensor]:
+    """Distinct prompts in first-seen order and, per input, its index among them ([B] long, CPU).
+
+    GRPO scores G images per prompt, so text towers run once per distinct prompt instead of G times.
+    """
+    index: dict[str, int] = {}
+    inverse = [index.setdefault(p, len(index)) for p in prompts]
+    return list(index), torch.tensor(inverse, dtype=torch.long)
+
+
+def freeze(module: nn.Module) -> nn.Module:
+    """Eval mode (dropout off) and no gradients: reward models are never trained here."""
+    module.eval()
+    module.requires_grad_(False)
+    return module
+
+
+class Reward:
+    """Base class: splits batches, moves images to where the model is and scores back to the images' device.
+
+    Subclasses implement `score` (images already on `self.device`, at most `batch_size` of them) and, for models,
+    list their modules in `modules()` so `load`/`offload` can move them.
+
+    Class attributes:
+        OPTIONS: the options the preset may set (validated by check_rewards).
+        DESCRIPTION: one line for `python -m grpo.rewards --list`.
+    """
+
+    OPTIONS: ClassVar[dict[str, Option]] = COMMON_OPTIONS
+    DESCRIPTION: ClassVar[str] = ""
+
+    def __init__(self, name: str, batch_size: int | None = None) -> None:
+        self.name = name
+        self.batch_size = batch_size
+
+    # -- start-up checks (class level, nothing loaded) --------------------------------------------------------------
+    @classmethod
+    def files(cls, options: dict[str, Any], setting: str) -> list[FileRef]:
+        """Files the reward will read, for the start-up check. `options` are validated and complete."""
+        return []
+
+    @classmethod
+    def validate(cls, options: dict[str, Any], setting: str) -> None:
+        """Extra cheap checks beyond types (raise ConfigError)."""
+
+    # -- scoring ------------------------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """Where scoring runs now."""
+        return torch.device("cpu")
+
+    def score(self, images: Tensor, prompts: list[str]) -> Tensor:
+        """Scores one chunk: images [b, 3, H, W] in [0, 1] on `self.device` -> [b] (any float dtype)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def __call__(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
+        """Scores a batch.
+
+        Args:
+            images: [B, 3, H, W] float in [0, 1], any device.
+            prompts: B prompts.
+
+        Returns:
+            float32 [B] on the images' device.
+        """
+        check_images(images, prompts)
+        prompts = list(prompts)
+        n = images.shape[0]
+        step = self.batch_size or max(n, 1)
+        device = self.device
+        out = [
+            self.score(images[i : i + step].to(device), prompts[i : i + step]).float().reshape(-1)
+            for i in range(0, n, step)
+        ]
+        scores = torch.cat(out) if out else torch.zeros(0)
+        if scores.shape[0] != n:
+            raise RuntimeError(f"reward {self.name} returned {scores.shape[0]} scores for {n} images")
+        return scores.to(images.device)
+
+    # -- placement ----------------------------------------------------------------------------------------------------
+    def modules(self) -> list[nn.Module]:
+        """Modules moved by load()/offload(); none for programmatic rewards."""
+        return []
+
+    def load(self) -> None:
+        """Moves an offloaded model to its scoring device (no-op unless the reward was built with offload)."""
+
+    def offload(self) -> None:
+        """Moves an offloadable model back to the CPU (no-op unless the reward was built with offload)."""
+
+
+class ModelReward(Reward):
+    """A reward backed by networks: dtype, device and offload handling shared by HPS, PickScore, CLIP, aesthetic.
+
+    Args:
+        name: the reward's key in the spec.
+        device: the rank's device (build_rewards' argument).
+        options: validated options including MODEL_OPTIONS (dtype, device, offload, batch_size).
+    """
+
+    def __init__(self, name: str, device: torch.device, options: dict[str, Any]) -> None:
+        super().__init__(name, options["batch_size"])
+        self.dtype = parse_dtype(options["dtype"])
+        # The scoring device: the rank's device unless `device: cpu` keeps the model off the accelerator.
+        self.home = torch.device("cpu") if options["device"] == "cpu" else torch.device(device)
+        self.offloadable = bool(options["offload"]) and self.home.type != "cpu"
+        self.cache_dir = options["cache_dir"]
+        self._where = torch.device("cpu") if self.offloadable else self.home
+
+    @property
+    def device(self) -> torch.device:
+        return self._where
+
+    def place(self) -> None:
+        """Freezes the modules and puts them where they start: CPU if offloadable, else the scoring device."""
+        for m in self.modules():
+            freeze(m).to(device=self._where, dtype=self.dtype)
+
+    def _move(self, device: torch.device) -> None:
+        for m in self.modules():
+            m.to(device)
+        self._where = device
+
+    def load(self) -> None:
+        if self.offloadable and self._where != self.home:
+            self._move(self.home)
+
+    def offload(self) -> None:
+        if self.offloadable and self._where.type != "cpu":
+            home = self._where
+            self._move(torch.device("cpu"))
+            backend = getattr(torch, home.type, None)
+            if backend is not None and hasattr(backend, "empty_cache"):
+                backend.empty_cache()  # return the freed blocks to the policy, not to the caching allocator

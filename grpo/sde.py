@@ -1,0 +1,241 @@
+"""Sigma schedules and one stochastic (or deterministic) flow-matching sampler step with its log-probability.
+
+Conventions (algorithm.md §1–§4): sigma runs from 1 (noise) to 0 (data), x_sigma = (1 - sigma)·x0 + sigma·noise,
+the model predicts the velocity v = noise - x0. All arithmetic here is float32 whatever the input dtype, and no
+float64 or complex tensor is ever created (Ascend NPUs lack them). Log-probs and KLs are averaged over all
+non-batch elements, the DanceGRPO / Flow-GRPO convention that keeps probability ratios near 1 (algorithm.md §3.5).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from grpo.errors import ConfigError
+
+__all__ = [
+    "StepOut",
+    "dynamic_sigmas",
+    "gaussian_log_prob",
+    "kl_same_std",
+    "predicted_x0",
+    "sde_step",
+    "shifted_sigmas",
+]
+
+SDE_KINDS = ("dance", "flow")
+_HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+def shifted_sigmas(num_steps: int, shift: float) -> Tensor:
+    """SD3 static time shift of a linear schedule, as DanceGRPO samples FLUX (algorithm.md §2).
+
+    sigma_i = s·u_i / (1 + (s - 1)·u_i) with u_i = 1 - i/N, written as u / (u + (1 - u)/s) so that both ends are
+    exactly 1 and 0 in float32.
+
+    Args:
+        num_steps: N, the number of sampler steps (>= 1).
+        shift: s > 0; 1 means no shift, larger values spend more steps at high noise.
+
+    Returns:
+        float32 Tensor [N + 1], strictly decreasing from 1.0 to 0.0.
+    """
+    if num_steps < 1:
+        raise ConfigError(f"num_steps: must be >= 1, got {num_steps}; use a positive number of sampler steps")
+    if not shift > 0:
+        raise ConfigError(f"shift: must be > 0, got {shift}; use e.g. 3.0 (DanceGRPO) or 1.0 for no shift")
+    u = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float32)
+    return u / (u + (1.0 - u) / float(shift))
+
+
+def dynamic_sigmas(num_steps: int, image_seq_len: int, scheduler_config: dict) -> Tensor:
+    """The schedule diffusers' FluxPipeline builds with FlowMatchEulerDiscreteScheduler (algorithm.md §2).
+
+    Reuses diffusers rather than re-deriving it, so inference with the stock pipeline and our rollout agree.
+
+    Args:
+        num_steps: N, the number of sampler steps (>= 1).
+        image_seq_len: packed latent tokens, (h/2)·(w/2) of the VAE latent grid (latents.shape[1]).
+        scheduler_config: the model's scheduler/scheduler_config.json as a dict.
+
+    Returns:
+        float32 Tensor [N + 1] ending with 0 (scheduler.sigmas).
+    """
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    if num_steps < 1:
+        raise ConfigError(f"num_steps: must be >= 1, got {num_steps}; use a positive number of sampler steps")
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
+    # Same lines as FluxPipeline.__call__ (diffusers 0.3x-0.4x).
+    sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+    if getattr(scheduler.config, "use_flow_sigmas", False):
+        sigmas = None
+    mu = calculate_shift(
+        image_seq_len,
+        scheduler.config.get("base_image_seq_len", 256),
+        scheduler.config.get("max_image_seq_len", 4096),
+        scheduler.config.get("base_shift", 0.5),
+        scheduler.config.get("max_shift", 1.15),
+    )
+    if sigmas is None:
+        scheduler.set_timesteps(num_inference_steps=num_steps, mu=mu)
+    else:
+        scheduler.set_timesteps(sigmas=sigmas, mu=mu)
+    return scheduler.sigmas.to(torch.float32)
+
+
+def predicted_x0(x: Tensor, v: Tensor, sigma: float | Tensor) -> Tensor:
+    """Clean-latent estimate x̂0 = x - sigma·v (float32).
+
+    Args:
+        x: [B, ...] noisy latent at sigma.
+        v: [B, ...] predicted velocity.
+        sigma: python float, 0-d or [B] tensor.
+    """
+    x, v = x.float(), v.float()
+    return x - _bcast(_as_f32(sigma, x.device), x.ndim) * v
+
+
+@dataclass
+class StepOut:
+    """Result of one sampler step.
+
+    Attributes:
+        prev_sample: [B, ...] float32 latent at sigma_next (the given one when evaluating a stored transition).
+        mean: [B, ...] float32 Gaussian mean of the transition; carries the graph of v.
+        std: float32 std, 0-d or [B] (the shape of sigma); 0 for an ODE step.
+        log_prob: [B] float32 element-mean log-density of prev_sample, or None for an ODE step.
+    """
+
+    prev_sample: Tensor
+    mean: Tensor
+    std: Tensor
+    log_prob: Tensor | None
+
+
+def sde_step(
+    x: Tensor,
+    v: Tensor,
+    sigma: float | Tensor,
+    sigma_next: float | Tensor,
+    *,
+    eta: float,
+    kind: str = "dance",
+    noise: Tensor | None = None,
+    prev_sample: Tensor | None = None,
+    sigma_max: float | None = None,
+) -> StepOut:
+    """One Euler–Maruyama step of the reverse SDE (or the Euler ODE step when eta == 0), with its log-prob.
+
+    Common form (algorithm.md §3.1), delta = sigma - sigma_next > 0:
+        mean = x - delta·[v + g²/(2·sigma)·(x + (1 - sigma)·v)],  std = g·sqrt(delta)
+    "dance" (DanceGRPO): g = eta. "flow" (Flow-GRPO): g = eta·sqrt(sigma / (1 - sigma')), sigma' = sigma_max where
+    sigma == 1 (Flow-GRPO passes scheduler.sigmas[1] there to avoid dividing by zero), else sigma.
+
+    Args:
+        x: [B, ...] latent at sigma (any float dtype; upcast to float32).
+        v: [B, ...] velocity predicted at (x, sigma).
+        sigma, sigma_next: python floats, 0-d or [B] tensors, sigma > sigma_next >= 0.
+        eta: noise level (DanceGRPO eta, Flow-GRPO noise_level); 0 gives the deterministic ODE step.
+        kind: "dance" or "flow".
+        noise: [B, ...] standard normal noise, required when sampling with eta > 0. The caller draws it (on CPU, from
+            its own generator) so rollouts are reproducible across devices.
+        prev_sample: [B, ...] a stored next latent; when given, its log-prob under this step's Gaussian is returned
+            (training) and no noise is needed.
+        sigma_max: the sigma' used by "flow" where sigma == 1.
+
+    Returns:
+        StepOut. For eta == 0: prev_sample = mean = x + (sigma_next - sigma)·v, exactly diffusers'
+        FlowMatchEulerDiscreteScheduler.step arithmetic in float32, std 0, log_prob None.
+    """
+    if kind not in SDE_KINDS:
+        raise ConfigError(f"kind: unknown SDE kind {kind!r}; use one of {SDE_KINDS}")
+    if eta < 0:
+        raise ConfigError(f"eta: must be >= 0, got {eta}; use e.g. 0.3 (dance) or 0.7-0.9 (flow)")
+    x, v = x.float(), v.float()
+    s = _as_f32(sigma, x.device)
+    s_next = _as_f32(sigma_next, x.device)
+    sb, sb_next = _bcast(s, x.ndim), _bcast(s_next, x.ndim)
+
+    if eta == 0:
+        # Kept separate so the ODE path is bit-identical to the diffusers Euler step.
+        out = x + (sb_next - sb) * v
+        return StepOut(prev_sample=out, mean=out, std=torch.zeros_like(s_next - s), log_prob=None)
+
+    delta = s - s_next
+    if kind == "dance":
+        g = torch.full_like(s, eta)
+    else:
+        if sigma_max is None and bool((s == 1).any()):
+            raise ValueError("sde_step(kind='flow') at sigma == 1 needs sigma_max (Flow-GRPO uses sigmas[1])")
+        denom_sigma = s if sigma_max is None else torch.where(s == 1, _as_f32(sigma_max, x.device), s)
+        g = eta * torch.sqrt(s / (1.0 - denom_sigma))
+    std = g * torch.sqrt(delta)
+
+    gb, db, stdb = _bcast(g, x.ndim), _bcast(delta, x.ndim), _bcast(std, x.ndim)
+    mean = x - db * (v + gb**2 / (2.0 * sb) * (x + (1.0 - sb) * v))
+
+    if prev_sample is None:
+        if noise is None:
+            raise ValueError("sde_step with eta > 0 needs `noise` (standard normal, shape of x) or `prev_sample`")
+        prev_sample = mean + stdb * noise.to(device=x.device, dtype=torch.float32)
+    else:
+        prev_sample = prev_sample.to(device=x.device, dtype=torch.float32)
+    log_prob = gaussian_log_prob(prev_sample.detach(), mean, std)
+    return StepOut(prev_sample=prev_sample, mean=mean, std=std, log_prob=log_prob)
+
+
+def gaussian_log_prob(sample: Tensor, mean: Tensor, std: float | Tensor) -> Tensor:
+    """log N(sample; mean, std²) with all constants, averaged over the non-batch elements.
+
+    Args:
+        sample, mean: [B, ...].
+        std: python float, 0-d or [B] tensor, > 0.
+
+    Returns:
+        float32 Tensor [B].
+    """
+    sample, mean = sample.float(), mean.float()
+    std_b = _bcast(_as_f32(std, mean.device), mean.ndim)
+    lp = -((sample - mean) ** 2) / (2.0 * std_b**2) - torch.log(std_b) - _HALF_LOG_2PI
+    return _element_mean(lp)
+
+
+def kl_same_std(mean_p: Tensor, mean_q: Tensor, std: float | Tensor) -> Tensor:
+    """KL(N(mean_p, std²) || N(mean_q, std²)) = (mean_p - mean_q)² / (2·std²), averaged over non-batch elements.
+
+    Args:
+        mean_p, mean_q: [B, ...] (e.g. policy and reference means of the same step).
+        std: python float, 0-d or [B] tensor, > 0.
+
+    Returns:
+        float32 Tensor [B].
+    """
+    mean_p, mean_q = mean_p.float(), mean_q.float()
+    std_b = _bcast(_as_f32(std, mean_p.device), mean_p.ndim)
+    return _element_mean((mean_p - mean_q) ** 2 / (2.0 * std_b**2))
+
+
+def _as_f32(value: float | Tensor, device: torch.device) -> Tensor:
+    """A python number or tensor as a float32 tensor on `device` (never via float64)."""
+    if isinstance(value, Tensor):
+        return value.to(device=device, dtype=torch.float32)
+    return torch.tensor(float(value), dtype=torch.float32, device=device)
+
+
+def _bcast(t: Tensor, ndim: int) -> Tensor:
+    """Reshape a 0-d or [B] tensor to broadcast against a [B, ...] tensor with `ndim` dims."""
+    if t.ndim == 0:
+        return t
+    if t.ndim != 1:
+        raise ValueError(f"expected a scalar or a [B] tensor, got shape {tuple(t.shape)}")
+    return t.reshape(-1, *([1] * (ndim - 1)))
+
+
+def _element_mean(t: Tensor) -> Tensor:
+    return t.mean(dim=tuple(range(1, t.ndim))) if t.ndim > 1 else t

@@ -1,0 +1,521 @@
+"""Build the embedded tiny FLUX model for the synthetic world, fully offline.
+
+    python -m grpo.tiny.build --out assets/tiny-flux [--vae-steps N] [--transformer-steps N] [--seed S]
+
+Phases (each logged with its time):
+
+1. tokenizers from the world's vocabulary: a CLIP BPE (`tokenizers` BPE trainer, "</w>" word ends) and a T5 Unigram;
+2. frozen random text encoders: CLIPTextModel (hidden 32 = pooled dim) and T5EncoderModel (d_model 64);
+3. AutoencoderKL with 3 blocks (64 px -> 4 x 16 x 16 latents, no quant convs, like Flux's VAE), trained briefly as an
+   autoencoder on rendered world images; its scaling/shift factors come from the latent statistics;
+4. FluxTransformer2DModel (16 latent channels packed 2x2, 2 double + 4 single blocks, head 4 x 32), pretrained by
+   rectified-flow matching on VAE latents of rendered images of every world prompt, conditioned exactly as inference
+   conditions it (`FluxPipeline.encode_prompt`, T5 max_sequence_length 32, guidance 3.5);
+5. FlowMatchEulerDiscreteScheduler with FLUX.1-dev's config; `FluxPipeline.save_pretrained` (safetensors);
+6. a short evaluation: world score of pipeline samples on the held-out prompts, next to rendered ground truth.
+
+`--vae-steps 0 --transformer-steps 0` gives an untrained but complete model in seconds (tests use it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from grpo.tiny import world
+
+logger = logging.getLogger(__name__)
+
+RESOLUTION = 64
+MAX_SEQUENCE_LENGTH = 32
+GUIDANCE = 3.5
+# FLUX.1-dev's scheduler/scheduler_config.json (diffusers keys).
+SCHEDULER_CONFIG = dict(
+    num_train_timesteps=1000,
+    shift=3.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=1.15,
+    base_image_seq_len=256,
+    max_image_seq_len=4096,
+)
+CLIP_BOS, CLIP_EOS = "<|startoftext|>", "<|endoftext|>"
+
+
+@contextmanager
+def _phase(name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    logger.info("phase %s ...", name)
+    yield
+    logger.info("phase %s done in %.1f s", name, time.perf_counter() - start)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Tokenizers
+
+
+def build_clip_tokenizer(folder: Path):
+    """Train a CLIP-style BPE on the world prompts and load it as a `CLIPTokenizer` (model_max_length 77).
+
+    Args:
+        folder: where vocab.json + merges.txt (+ the tokenizer's own files) are written.
+
+    Returns:
+        transformers.CLIPTokenizer.
+    """
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import CLIPTokenizer
+
+    bpe = Tokenizer(models.BPE(unk_token=CLIP_EOS, end_of_word_suffix="</w>"))
+    bpe.normalizer = normalizers.Lowercase()
+    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(
+        vocab_size=256, special_tokens=[CLIP_BOS, CLIP_EOS], end_of_word_suffix="</w>", show_progress=False
+    )
+    bpe.train_from_iterator(world.all_prompts(), trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    bpe.model.save(str(folder))  # vocab.json + merges.txt, the files CLIPTokenizer reads
+    return CLIPTokenizer.from_pretrained(str(folder), model_max_length=77)
+
+
+def build_t5_tokenizer(folder: Path):
+    """A T5 Unigram tokenizer fitted to the world prompts, loaded as `T5TokenizerFast` (model_max_length 512).
+
+    The unigram log-probabilities are the maximum-likelihood estimates of whole words in the world corpus, with every
+    lowercase letter as a rare fallback piece. `tokenizers`' UnigramTrainer is not used: it keeps only seed pieces found
+    in at least two distinct pre-tokenized words, so on a ten-word vocabulary it returns single characters, and a
+    character-level prompt would not fit T5's 32-token budget.
+
+    Args:
+        folder: where tokenizer.json is written.
+
+    Returns:
+        transformers.T5TokenizerFast with ids <pad> 0, </s> 1, <unk> 2.
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import T5TokenizerFast
+
+    counts = Counter(w for p in world.all_prompts() for w in p.split())
+    total = sum(counts.values())
+    letters = sorted(set("abcdefghijklmnopqrstuvwxyz"))
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    pieces += [(f"\u2581{w}", math.log(c / total)) for w, c in sorted(counts.items())]
+    # Fallback pieces are far less likely than any word, so whole words always win the Viterbi segmentation.
+    pieces += [("\u2581", -20.0)] + [(ch, -20.0) for ch in letters]
+    tok = Tokenizer(models.Unigram(pieces, unk_id=2, byte_fallback=False))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")]
+    )
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)])
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "tokenizer.json"
+    tok.save(str(path))
+    return T5TokenizerFast(tokenizer_file=str(path), extra_ids=0, model_max_length=512)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Models
+
+
+def build_text_encoders(clip_tok, t5_tok):
+    """Frozen random CLIPTextModel (hidden 32) and T5EncoderModel (d_model 64) sized to the tokenizers."""
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    clip = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(clip_tok),
+            hidden_size=32,
+            intermediate_size=64,
+            projection_dim=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=77,
+            # The pooled output is read at the first eos token; the id must be the tokenizer's.
+            bos_token_id=clip_tok.bos_token_id,
+            eos_token_id=clip_tok.eos_token_id,
+            pad_token_id=clip_tok.pad_token_id,
+        )
+    )
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(t5_tok),
+            d_model=64,
+            d_kv=16,
+            d_ff=128,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            dropout_rate=0.0,
+            pad_token_id=t5_tok.pad_token_id,
+            eos_token_id=t5_tok.eos_token_id,
+            decoder_start_token_id=t5_tok.pad_token_id,
+        )
+    )
+    for m in (clip, t5):
+        m.eval().requires_grad_(False)
+    return clip, t5
+
+
+def build_vae():
+    """AutoencoderKL: 3 blocks (scale factor 4), 4 latent channels, no quant convs."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(16, 32, 32),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=RESOLUTION,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        mid_block_add_attention=True,
+        scaling_factor=1.0,
+        shift_factor=0.0,
+    )
+
+
+def build_transformer(layers: int = 2, single_layers: int = 4):
+    """FluxTransformer2DModel for 4-channel latents packed 2x2 (16 in-channels), inner dim 4 x 32 = 128."""
+    from diffusers import FluxTransformer2DModel
+
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=layers,
+        num_single_layers=single_layers,
+        attention_head_dim=32,
+        num_attention_heads=4,
+        joint_attention_dim=64,
+        pooled_projection_dim=32,
+        guidance_embeds=True,
+        axes_dims_rope=(8, 12, 12),
+    )
+
+
+def build_scheduler():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Training
+
+
+def _log_every(steps: int) -> int:
+    return max(1, steps // 10)
+
+
+def train_vae(vae, steps: int, batch: int, lr: float, kl_weight: float, generator: torch.Generator) -> None:
+    """Train the VAE as an autoencoder on rendered world images (inputs in [-1, 1]).
+
+    Loss: L1 + MSE reconstruction of a posterior sample, plus a small KL so the posterior stays a smooth, bounded
+    distribution the flow model can target.
+    """
+    prompts = world.all_prompts()
+    opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    vae.train()
+    start = time.perf_counter()
+    for step in range(steps):
+        idx = torch.randint(len(prompts), (batch,), generator=generator)
+        x = world.render([prompts[i] for i in idx], RESOLUTION, generator) * 2 - 1
+        posterior = vae.encode(x).latent_dist
+        z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
+        recon = vae.decode(z).sample
+        rec = (recon - x).abs().mean() + (recon - x).square().mean()
+        kl = posterior.kl().mean() / posterior.mean[0].numel()
+        loss = rec + kl_weight * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % _log_every(steps) == 0 or step == steps - 1:
+            logger.info("vae step %d/%d rec %.4f kl %.3f (%.1f s)", step + 1, steps, rec.item(), kl.item(), time.perf_counter() - start)
+    vae.eval()
+
+
+@torch.no_grad()
+def set_latent_factors(vae, generator: torch.Generator, n: int = 512) -> dict[str, float]:
+    """Set the VAE config's shift_factor / scaling_factor so scaled latents have mean 0 and std 1 (as Flux's were)."""
+    prompts = world.all_prompts()
+    idx = torch.randint(len(prompts), (n,), generator=generator)
+    x = world.render([prompts[i] for i in idx], RESOLUTION, generator) * 2 - 1
+    z = torch.cat([vae.encode(c).latent_dist.mean for c in x.split(128)])
+    shift = z.mean().item()
+    scale = 1.0 / z.std().item()
+    vae.register_to_config(shift_factor=round(shift, 4), scaling_factor=round(scale, 4))
+    return {"shift_factor": vae.config.shift_factor, "scaling_factor": vae.config.scaling_factor}
+
+
+@torch.no_grad()
+def encode_latents(pipe, images: torch.Tensor) -> torch.Tensor:
+    """Images [B, 3, H, W] in [0, 1] -> packed, scaled Flux latents [B, (H/8)(W/8), 16] (what the transformer sees)."""
+    vae = pipe.vae
+    z = torch.cat([vae.encode(c * 2 - 1).latent_dist.mean for c in images.split(128)])
+    z = (z - vae.config.shift_factor) * vae.config.scaling_factor
+    b, c, h, w = z.shape
+    return pipe._pack_latents(z, b, c, h, w)
+
+
+def train_transformer(
+    pipe,
+    steps: int,
+    batch: int,
+    lr: float,
+    shift: float,
+    images_per_prompt: int,
+    generator: torch.Generator,
+) -> None:
+    """Rectified-flow pretraining of `pipe.transformer` on every world prompt.
+
+    x_sigma = (1 - sigma) x0 + sigma noise, target velocity noise - x0, sigma = s u / (1 + (s - 1) u) with u uniform
+    (the time-shifted schedule GRPO samples on), guidance embedding fixed at 3.5. The conditioning comes from
+    `pipe.encode_prompt`, so it is bit-for-bit what the pipeline feeds at inference.
+    """
+    transformer = pipe.transformer
+    prompts = world.all_prompts()
+    with torch.no_grad():
+        prompt_embeds, pooled, text_ids = pipe.encode_prompt(
+            prompts, prompt_2=None, device=torch.device("cpu"), max_sequence_length=MAX_SEQUENCE_LENGTH
+        )
+    # A fixed pool of renders per prompt, encoded once: the VAE encoder would otherwise cost as much as a step.
+    pool_prompts = [p for p in prompts for _ in range(images_per_prompt)]
+    pool_index = torch.arange(len(prompts)).repeat_interleave(images_per_prompt)
+    latents = encode_latents(pipe, world.render(pool_prompts, RESOLUTION, generator))
+    logger.info("latent pool %s, std %.3f, mean %.3f", tuple(latents.shape), latents.std().item(), latents.mean().item())
+    h = w = RESOLUTION // pipe.vae_scale_factor
+    img_ids = pipe._prepare_latent_image_ids(1, h // 2, w // 2, torch.device("cpu"), torch.float32)
+
+    opt = torch.optim.AdamW(transformer.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
+    warmup = max(1, min(100, steps // 10))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    )
+    transformer.train()
+    guidance = torch.full((batch,), GUIDANCE)
+    start = time.perf_counter()
+    running = None
+    for step in range(steps):
+        pick = torch.randint(len(pool_index), (batch,), generator=generator)
+        x0 = latents[pick]
+        cond = pool_index[pick]
+        noise = torch.randn(x0.shape, generator=generator)
+        u = torch.rand(batch, generator=generator)
+        sigma = shift * u / (1 + (shift - 1) * u)
+        s = sigma.view(-1, 1, 1)
+        xt = (1 - s) * x0 + s * noise
+        pred = transformer(
+            hidden_states=xt,
+            timestep=sigma,
+            guidance=guidance,
+            pooled_projections=pooled[cond],
+            encoder_hidden_states=prompt_embeds[cond],
+            txt_ids=text_ids,
+            img_ids=img_ids,
+            return_dict=False,
+        )[0]
+        loss = F.mse_loss(pred, noise - x0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
+        if step % _log_every(steps) == 0 or step == steps - 1:
+            logger.info("transformer step %d/%d loss %.4f (%.1f s)", step + 1, steps, running, time.perf_counter() - start)
+    transformer.eval()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Evaluation
+
+
+@torch.no_grad()
+def sample_scores(pipe, prompts: list[str], steps: int, seeds: list[int]) -> torch.Tensor:
+    """World scores of `pipe` samples, one per (seed, prompt): [len(seeds) * len(prompts)]."""
+    scores = []
+    for seed in seeds:
+        images = pipe(
+            prompts,
+            height=RESOLUTION,
+            width=RESOLUTION,
+            num_inference_steps=steps,
+            guidance_scale=GUIDANCE,
+            max_sequence_length=MAX_SEQUENCE_LENGTH,
+            generator=torch.Generator().manual_seed(seed),
+            output_type="pt",
+        ).images
+        scores.append(world.score(images, prompts))
+    return torch.cat(scores)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Entry point
+
+
+def build(
+    out: Path,
+    vae_steps: int = 1500,
+    transformer_steps: int = 2000,
+    seed: int = 0,
+    vae_batch: int = 16,
+    transformer_batch: int = 32,
+    vae_lr: float = 2e-3,
+    transformer_lr: float = 1e-3,
+    shift: float = 3.0,
+    images_per_prompt: int = 32,
+    layers: int = 2,
+    single_layers: int = 4,
+    eval_steps: int = 12,
+    eval_seeds: int = 2,
+) -> dict:
+    """Build, train and save the tiny FluxPipeline; returns a summary (also written to out/build_info.json).
+
+    Args:
+        out: output folder (diffusers FluxPipeline layout).
+        vae_steps, transformer_steps: optimisation steps (0: keep the random initialisation).
+        seed: seeds every random choice, so a build is reproducible on the same machine and thread count.
+        eval_steps, eval_seeds: sampling steps and seeds of the final held-out evaluation (0 seeds: skip).
+    """
+    from diffusers import FluxPipeline
+
+    t0 = time.perf_counter()
+    times: dict[str, float] = {}
+
+    def mark(name: str, since: float) -> float:
+        times[name] = round(time.perf_counter() - since, 1)
+        return time.perf_counter()
+
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    t = time.perf_counter()
+    with _phase("tokenizers"), tempfile.TemporaryDirectory() as tmp:
+        clip_tok = build_clip_tokenizer(Path(tmp) / "clip")
+        t5_tok = build_t5_tokenizer(Path(tmp) / "t5")
+    t = mark("tokenizers", t)
+    with _phase("models"):
+        text_encoder, text_encoder_2 = build_text_encoders(clip_tok, t5_tok)
+        vae = build_vae()
+        transformer = build_transformer(layers, single_layers)
+        pipe = FluxPipeline(
+            scheduler=build_scheduler(),
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=clip_tok,
+            text_encoder_2=text_encoder_2,
+            tokenizer_2=t5_tok,
+            transformer=transformer,
+        )
+        pipe.set_progress_bar_config(disable=True)
+        n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in
+                    dict(transformer=transformer, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2).items()}
+        logger.info("parameters %s", n_params)
+    t = mark("models", t)
+    with _phase("vae"):
+        if vae_steps > 0:
+            train_vae(vae, vae_steps, vae_batch, vae_lr, kl_weight=1e-3, generator=generator)
+        factors = set_latent_factors(vae, generator)
+        vae.requires_grad_(False)
+        logger.info("vae latent factors %s", factors)
+    t = mark("vae", t)
+    with _phase("transformer"):
+        if transformer_steps > 0:
+            train_transformer(pipe, transformer_steps, transformer_batch, transformer_lr, shift, images_per_prompt, generator)
+        transformer.requires_grad_(False)
+    t = mark("transformer", t)
+    with _phase("save"):
+        out.mkdir(parents=True, exist_ok=True)
+        pipe.save_pretrained(str(out), safe_serialization=True)
+    t = mark("save", t)
+
+    summary: dict = {
+        "seed": seed,
+        "vae_steps": vae_steps,
+        "transformer_steps": transformer_steps,
+        "parameters": n_params,
+        "vae_factors": factors,
+    }
+    if eval_seeds > 0:
+        with _phase("evaluate"):
+            _, heldout = world.split_prompts()
+            sampled = sample_scores(pipe, heldout, eval_steps, list(range(eval_seeds)))
+            truth = world.score(world.render(heldout, RESOLUTION, torch.Generator().manual_seed(seed)), heldout)
+            summary["eval"] = {
+                "prompts": "heldout",
+                "num_inference_steps": eval_steps,
+                "seeds": eval_seeds,
+                "sample_score_mean": round(sampled.mean().item(), 4),
+                "ground_truth_score_mean": round(truth.mean().item(), 4),
+            }
+            logger.info("held-out score: samples %.3f, ground truth %.3f", sampled.mean(), truth.mean())
+        t = mark("evaluate", t)
+    times["total"] = round(time.perf_counter() - t0, 1)
+    summary["seconds"] = times
+    (out / "build_info.json").write_text(json.dumps(summary, indent=2) + "\n")
+    logger.info("build done: %s", json.dumps(summary))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True, help="output folder (diffusers FluxPipeline layout)")
+    p.add_argument("--vae-steps", type=int, default=1500)
+    p.add_argument("--transformer-steps", type=int, default=2000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vae-batch", type=int, default=16)
+    p.add_argument("--transformer-batch", type=int, default=32)
+    p.add_argument("--vae-lr", type=float, default=2e-3)
+    p.add_argument("--transformer-lr", type=float, default=1e-3)
+    p.add_argument("--shift", type=float, default=3.0, help="time shift of the training sigma distribution")
+    p.add_argument("--images-per-prompt", type=int, default=32, help="rendered latents per prompt in the training pool")
+    p.add_argument("--layers", type=int, default=2, help="double-stream blocks")
+    p.add_argument("--single-layers", type=int, default=4, help="single-stream blocks")
+    p.add_argument("--eval-steps", type=int, default=12)
+    p.add_argument("--eval-seeds", type=int, default=2, help="0 skips the held-out evaluation")
+    p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch CPU threads")
+    args = p.parse_args(argv)
+    for name in ("vae_steps", "transformer_steps", "eval_seeds", "eval_steps"):
+        if getattr(args, name) < 0:
+            raise SystemExit(f"--{name.replace('_', '-')}: must be >= 0, got {getattr(args, name)}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(args.threads)
+    build(
+        args.out,
+        vae_steps=args.vae_steps,
+        transformer_steps=args.transformer_steps,
+        seed=args.seed,
+        vae_batch=args.vae_batch,
+        transformer_batch=args.transformer_batch,
+        vae_lr=args.vae_lr,
+        transformer_lr=args.transformer_lr,
+        shift=args.shift,
+        images_per_prompt=args.images_per_prompt,
+        layers=args.layers,
+        single_layers=args.single_layers,
+        eval_steps=args.eval_steps,
+        eval_seeds=args.eval_seeds,
+    )
+
+
+if __name__ == "__main__":
+    main()

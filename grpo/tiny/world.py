@@ -1,0 +1,276 @@
+"""A synthetic prompt -> image world for the embedded tiny FLUX model, with a programmatic reward.
+
+Prompts read "a {color} {shape} on a {background} background". An image of the world is a flat background with one
+axis-aligned filled shape (circle, square or apex-up triangle) of another colour, placed near the centre. The colours
+are six corners of the RGB cube, so any two differ by a full unit in at least one channel.
+
+`score` grades any image against a prompt with three soft terms, each in [0, 1]:
+
+- background: how well a thin border ring matches the background colour;
+- presence: how much of the image carries the shape colour, 1 inside the area range the renderer produces;
+- form: the fill ratio of the shape-colour mask inside its bounding box (square 1, circle ~0.79, triangle ~0.5) and
+  the share of that mass in the upper half of the box (1/2, 1/2, 1/4), against the values the prompted shape gives,
+  gated by presence.
+
+All terms are continuous in the pixel values, so two similar images get slightly different scores, which GRPO needs.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import re
+
+import torch
+
+COLORS: dict[str, tuple[float, float, float]] = {
+    "red": (1.0, 0.0, 0.0),
+    "green": (0.0, 1.0, 0.0),
+    "blue": (0.0, 0.0, 1.0),
+    "yellow": (1.0, 1.0, 0.0),
+    "magenta": (1.0, 0.0, 1.0),
+    "cyan": (0.0, 1.0, 1.0),
+}
+SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
+TEMPLATE = "a {color} {shape} on a {background} background"
+
+# Shape half-extent and centre jitter as fractions of the image side. The shape always stays inside
+# 0.5 +- (JITTER + RADIUS_MAX) = [0.12, 0.88], clear of the border ring the background term reads.
+RADIUS_MIN, RADIUS_MAX = 0.18, 0.28
+JITTER = 0.1
+
+# Soft colour membership exp(-d^2 / (2 tau^2)): 0.5 off in one channel keeps ~0.25, a wrong colour (d >= 1) ~0.004.
+COLOR_TAU = 0.3
+# Rendered shape areas span ~0.065 (small triangle) to ~0.31 (large square) of the image.
+AREA_LOW, AREA_HIGH, AREA_ZERO = 0.04, 0.40, 0.80
+# A bounding-box row/column counts when its mask mass reaches this fraction of the fullest row/column (and >= 1 px),
+# so a faint haze elsewhere does not stretch the box.
+BOX_CUT = 0.05
+FORM_SIGMA = 0.1
+
+_PROMPT_RE = re.compile(r"^a (\w+) (\w+) on a (\w+) background$")
+
+
+def all_prompts() -> list[str]:
+    """Every prompt of the world, in a fixed order (colour, shape, background).
+
+    Returns:
+        list of len(COLORS) * len(SHAPES) * (len(COLORS) - 1) prompts.
+    """
+    return [
+        TEMPLATE.format(color=c, shape=s, background=b)
+        for c, s, b in itertools.product(COLORS, SHAPES, COLORS)
+        if c != b
+    ]
+
+
+def parse(prompt: str) -> tuple[str, str, str]:
+    """Split a world prompt into its parts.
+
+    Args:
+        prompt: e.g. "a red circle on a blue background".
+
+    Returns:
+        (color, shape, background).
+
+    Raises:
+        ValueError: the prompt is not one of `all_prompts()`.
+    """
+    m = _PROMPT_RE.match(prompt.strip())
+    if m is None or m[1] not in COLORS or m[2] not in SHAPES or m[3] not in COLORS or m[1] == m[3]:
+        raise ValueError(
+            f"prompt {prompt!r} is not of the tiny world; expected {TEMPLATE!r} with colours {list(COLORS)}, "
+            f"shapes {list(SHAPES)} and colour != background"
+        )
+    return m[1], m[2], m[3]
+
+
+def split_prompts(every: int = 5) -> tuple[list[str], list[str]]:
+    """Deterministic train / held-out split of `all_prompts()`.
+
+    A (colour, shape, background) triple is held out when (i_color + i_shape + i_background) % every == 0. The held-out
+    triples are new combinations of colours and shapes that all appear in training.
+
+    Args:
+        every: about 1/every of the prompts are held out.
+
+    Returns:
+        (train, heldout) prompt lists.
+    """
+    names = list(COLORS)
+    train, heldout = [], []
+    for p in all_prompts():
+        c, s, b = parse(p)
+        key = names.index(c) + SHAPES.index(s) + names.index(b)
+        (heldout if key % every == 0 else train).append(p)
+    return train, heldout
+
+
+def _parts(prompts: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Parsed prompts as tensors: shape colours [B, 3], background colours [B, 3], shape indices [B]."""
+    parsed = [parse(p) for p in prompts]
+    fg = torch.tensor([COLORS[c] for c, _, _ in parsed], dtype=torch.float32, device=device)
+    bg = torch.tensor([COLORS[b] for _, _, b in parsed], dtype=torch.float32, device=device)
+    shape = torch.tensor([SHAPES.index(s) for _, s, _ in parsed], dtype=torch.long, device=device)
+    return fg, bg, shape
+
+
+def _shape_masks(
+    shape: torch.Tensor, cx: torch.Tensor, cy: torch.Tensor, r: torch.Tensor, size: int
+) -> torch.Tensor:
+    """Binary masks of axis-aligned shapes on a size x size grid of pixel centres.
+
+    Args:
+        shape: [B] indices into SHAPES.
+        cx, cy, r: [B] centre and half-extent as fractions of the side.
+        size: image side in pixels.
+
+    Returns:
+        float32 [B, size, size], 1 inside the shape.
+    """
+    coords = (torch.arange(size, dtype=torch.float32, device=cx.device) + 0.5) / size
+    x = coords.view(1, 1, size) - cx.view(-1, 1, 1)
+    y = coords.view(1, size, 1) - cy.view(-1, 1, 1)
+    r = r.view(-1, 1, 1)
+    circle = x.square() + y.square() <= r.square()
+    square = (x.abs() <= r) & (y.abs() <= r)
+    # Apex at the top (y = -r), base at the bottom (y = +r): half-width grows linearly from 0 to r.
+    triangle = (y.abs() <= r) & (x.abs() <= (y + r) / 2)
+    stacked = torch.stack([circle, square, triangle], dim=1)  # [B, 3, H, W]
+    return stacked.gather(1, shape.view(-1, 1, 1, 1).expand(-1, 1, size, size)).squeeze(1).float()
+
+
+def render(
+    prompts: list[str], size: int = 64, generator: torch.Generator | None = None, device: str | torch.device = "cpu"
+) -> torch.Tensor:
+    """Draw one image per prompt, with random centre jitter and shape size.
+
+    Args:
+        prompts: B world prompts.
+        size: image side in pixels.
+        generator: CPU generator for the jitter and size (None: torch's global RNG).
+        device: where the images are built.
+
+    Returns:
+        float32 [B, 3, size, size] in [0, 1].
+    """
+    device = torch.device(device)
+    fg, bg, shape = _parts(prompts, device)
+    n = len(prompts)
+    u = torch.rand(n, 3, generator=generator).to(device)
+    cx = 0.5 + (2 * u[:, 0] - 1) * JITTER
+    cy = 0.5 + (2 * u[:, 1] - 1) * JITTER
+    r = RADIUS_MIN + u[:, 2] * (RADIUS_MAX - RADIUS_MIN)
+    mask = _shape_masks(shape, cx, cy, r, size).unsqueeze(1)  # [B, 1, H, W]
+    return bg.view(n, 3, 1, 1) * (1 - mask) + fg.view(n, 3, 1, 1) * mask
+
+
+def _membership(images: torch.Tensor, colors: torch.Tensor) -> torch.Tensor:
+    """Soft per-pixel match of images [B, 3, H, W] to colours [B, 3] -> [B, H, W] in (0, 1]."""
+    d2 = (images - colors.view(-1, 3, 1, 1)).square().sum(1)
+    return torch.exp(-d2 / (2 * COLOR_TAU**2))
+
+
+def _box_stats(mask: torch.Tensor) -> torch.Tensor:
+    """Form descriptors of a soft mask [B, H, W] inside its robust bounding box.
+
+    Returns:
+        [B, 2]: fill ratio (mask mass / box area) and top share (mass in the upper half of the box / mass in the box),
+        both in [0, 1]. Square (1, 1/2), circle (pi/4, 1/2), apex-up triangle (1/2, 1/4), up to the box cut.
+    """
+
+    def span(profile: torch.Tensor) -> torch.Tensor:
+        cut = torch.clamp(BOX_CUT * profile.amax(-1, keepdim=True), min=1.0)
+        return profile >= cut  # [B, L]
+
+    rows, cols = span(mask.sum(-1)), span(mask.sum(-2))
+    n = mask.shape[-1]
+    idx_r = torch.arange(mask.shape[-2], device=mask.device)
+    idx_c = torch.arange(n, device=mask.device)
+
+    def extent(active: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        big = idx.numel()
+        lo = torch.where(active, idx, big).amin(-1)
+        hi = torch.where(active, idx, -1).amax(-1)
+        return lo, hi
+
+    r0, r1 = extent(rows, idx_r)
+    c0, c1 = extent(cols, idx_c)
+    inside = (
+        (idx_r.view(1, -1, 1) >= r0.view(-1, 1, 1))
+        & (idx_r.view(1, -1, 1) <= r1.view(-1, 1, 1))
+        & (idx_c.view(1, 1, -1) >= c0.view(-1, 1, 1))
+        & (idx_c.view(1, 1, -1) <= c1.view(-1, 1, 1))
+    )
+    box_area = ((r1 - r0 + 1).clamp(min=0) * (c1 - c0 + 1).clamp(min=0)).float()
+    boxed = mask * inside
+    mass = boxed.sum((-2, -1))
+    fill = torch.where(box_area > 0, mass / box_area.clamp(min=1.0), torch.zeros_like(mass)).clamp(0, 1)
+    # Rows strictly above the box's middle count fully, the middle row (odd heights) half.
+    mid2 = (r0 + r1).view(-1, 1).float()  # twice the middle row index
+    row_w = torch.where(2 * idx_r.view(1, -1) < mid2, 1.0, torch.where(2 * idx_r.view(1, -1) == mid2, 0.5, 0.0))
+    top = (boxed.sum(-1) * row_w).sum(-1)
+    top_share = torch.where(mass > 0, top / mass.clamp(min=1e-6), torch.full_like(mass, 0.5)).clamp(0, 1)
+    return torch.stack([fill, top_share], dim=-1)
+
+
+@functools.lru_cache(maxsize=None)
+def expected_form() -> tuple[tuple[float, float], ...]:
+    """(fill ratio, top share) that `score` measures on clean, centred, mid-size renders of each shape (index = SHAPES).
+
+    Measured through the same `_box_stats` so the bounding-box cut and pixel discretisation cancel out.
+    """
+    size = 64
+    shape = torch.arange(len(SHAPES))
+    half = torch.full((len(SHAPES),), 0.5)
+    r = torch.full((len(SHAPES),), (RADIUS_MIN + RADIUS_MAX) / 2)
+    return tuple(tuple(row) for row in _box_stats(_shape_masks(shape, half, half, r, size)).tolist())
+
+
+def score_terms(images: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
+    """The three reward terms of `score`, each float32 [B] in [0, 1].
+
+    Args:
+        images: [B, 3, H, W] in [0, 1] (values outside are clamped), any device and float dtype.
+        prompts: B world prompts.
+
+    Returns:
+        {"background": ..., "presence": ..., "form": ...}.
+    """
+    if images.ndim != 4 or images.shape[1] != 3 or images.shape[0] != len(prompts):
+        raise ValueError(
+            f"images of shape {tuple(images.shape)} do not match {len(prompts)} prompts; expected [B, 3, H, W]"
+        )
+    with torch.no_grad():
+        x = images.detach().float().clamp(0, 1)
+        fg, bg, shape = _parts(prompts, x.device)
+        h, w = x.shape[-2:]
+        ring = max(1, round(min(h, w) / 16))
+        border = torch.ones(h, w, dtype=torch.bool, device=x.device)
+        border[ring:-ring, ring:-ring] = False
+        background = _membership(x, bg)[:, border].mean(-1)
+
+        m = _membership(x, fg)
+        area = m.mean((-2, -1))
+        presence = torch.clamp(area / AREA_LOW, max=1.0) * torch.clamp(
+            (AREA_ZERO - area) / (AREA_ZERO - AREA_HIGH), min=0.0, max=1.0
+        )
+        target = torch.tensor(expected_form(), device=x.device)[shape]  # [B, 2]
+        dist2 = ((_box_stats(m) - target) / FORM_SIGMA).square().sum(-1)
+        form = torch.exp(-0.5 * dist2) * presence
+        return {"background": background, "presence": presence, "form": form}
+
+
+def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+    """Programmatic reward: how well each image shows its prompt.
+
+    Args:
+        images: [B, 3, H, W] in [0, 1], any device.
+        prompts: B world prompts.
+
+    Returns:
+        float32 [B] in [0, 1] on the images' device: the mean of the background, presence and form terms.
+        Rendered ground truth scores ~1, a blank background ~1/3, a wrong colour ~1/3, a wrong shape ~0.7.
+    """
+    terms = score_terms(images, prompts)
+    return ((terms["background"] + terms["presence"] + terms["form"]) / 3).float()

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Multi-node run with the DeepSpeed launcher and a hostfile (one line per node: "hostname slots=8").
+#
+#   bash launch/multinode.sh HOSTFILE CONFIG [key=value ...]
+#
+# The launcher ssh-es into every host (passwordless ssh, the same repo path and Python environment on each) and
+# exports ASCEND*/HCCL*/NCCL*/PATH/LD_LIBRARY* to the workers. MASTER_ADDR defaults to the first host of the file.
+# Without ssh (e.g. under a scheduler) run torchrun on each node instead:
+#   NNODES=4 NODE_RANK=$i MASTER_ADDR=head bash launch/multinode.sh --torchrun CONFIG [key=value ...]
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+recipe=${RECIPE:-$root/recipes/flux_grpo.py}
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+if [[ $# -lt 2 ]]; then
+  echo "usage: bash launch/multinode.sh HOSTFILE|--torchrun CONFIG [key=value ...]" >&2
+  exit 2
+fi
+read -r kind count < <(python -c "from grpo.device import local_devices; print(*local_devices())")
+[[ $kind == npu ]] && source "$root/launch/npu_env.sh"
+[[ $kind == cpu ]] && export DS_ACCELERATOR=cpu
+
+if [[ $1 == --torchrun ]]; then
+  shift
+  config=$1
+  shift
+  cmd=(python -m torch.distributed.run --nnodes "${NNODES:?set NNODES}" --node_rank "${NODE_RANK:?set NODE_RANK}"
+       --nproc_per_node "${NPROC:-$count}" --master_addr "${MASTER_ADDR:?set MASTER_ADDR}"
+       --master_port "${MASTER_PORT:-29500}" "$recipe" --config "$config" "$@")
+else
+  hostfile=$1
+  config=$2
+  shift 2
+  [[ -f $hostfile ]] || { echo "error: hostfile $hostfile does not exist" >&2; exit 2; }
+  master=${MASTER_ADDR:-$(awk 'NF && $1 !~ /^#/ {print $1; exit}' "$hostfile")}
+  cmd=(deepspeed --hostfile "$hostfile" --master_addr "$master" --master_port "${MASTER_PORT:-29500}"
+       "$recipe" --config "$config" "$@")
+fi
+echo "[launch] ${cmd[*]}" >&2
+exec "${cmd[@]}"

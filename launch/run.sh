@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Run the GRPO recipe on this machine: every local NPU or GPU, or 2 CPU processes where there are none.
+#
+#   bash launch/run.sh CONFIG [key=value ...]
+#   NPROC=4 bash launch/run.sh recipes/configs/flux1_dev/grpo_lora.yaml output_dir=runs/exp1
+#   RECIPE=my_recipe.py bash launch/run.sh my_config.yaml
+#
+# Environment: NPROC (process count), RECIPE (recipe script), MASTER_PORT (default 29500).
+set -euo pipefail
+if [[ $# -lt 1 ]]; then
+  echo "usage: bash launch/run.sh CONFIG [key=value ...]" >&2
+  exit 2
+fi
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+config=$1
+shift
+recipe=${RECIPE:-$root/recipes/flux_grpo.py}
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+
+# Which accelerator: the same detection DeepSpeed uses (torch_npu importable -> NPU, else CUDA, else CPU).
+read -r kind count < <(python -c "from grpo.device import local_devices; print(*local_devices())")
+case $kind in
+  npu) source "$root/launch/npu_env.sh" ;;
+  cpu)
+    export DS_ACCELERATOR=cpu
+    count=2
+    # Split the cores between the processes instead of letting each one oversubscribe all of them.
+    cores=$(nproc)
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / ${NPROC:-$count} > 0 ? cores / ${NPROC:-$count} : 1 ))}
+    ;;
+esac
+nproc_per_node=${NPROC:-$count}
+
+cmd=(python -m torch.distributed.run --nnodes 1 --nproc_per_node "$nproc_per_node"
+     --master_addr 127.0.0.1 --master_port "${MASTER_PORT:-29500}"
+     "$recipe" --config "$config" "$@")
+echo "[launch] $kind x $nproc_per_node: ${cmd[*]}" >&2
+exec "${cmd[@]}"
