@@ -89,6 +89,9 @@ class OptimConfig:
 @dataclass
 class DeepSpeedConfig:
     config: str = "ds_configs/zero3.json"  # sharding, offload and precision; batch fields are filled by the recipe
+    # Gather the full weights once per rollout/eval phase instead of layer by layer at every denoising step: much
+    # faster, but each device then briefly holds one full copy (FLUX.1-dev: ~24 GB in bf16).
+    gather_for_rollout: bool = True
 
 
 @dataclass

@@ -39,8 +39,8 @@ except RuntimeError as _err:  # torch >= 2.5 auto-loads torch_npu through an ent
     if "torch_npu" in str(_err):
         raise RuntimeError(
             "import torch failed while auto-loading torch_npu: source CANN's set_env.sh "
-            "(e.g. `source /usr/local/Ascend/ascend-toolkit/set_env.sh`) or install the torch_npu build that pairs with "
-            "this torch; TORCH_DEVICE_BACKEND_AUTOLOAD=0 skips torch_npu entirely"
+            "(e.g. `source /usr/local/Ascend/ascend-toolkit/set_env.sh`) or install the torch_npu build that pairs "
+            "with this torch; TORCH_DEVICE_BACKEND_AUTOLOAD=0 skips torch_npu entirely"
         ) from _err
     raise
 
@@ -99,9 +99,9 @@ def import_torch_npu() -> bool:
 
     Raises:
         RuntimeError: torch_npu is installed but cannot be imported: CANN's ``set_env.sh`` was not sourced
-            (``ImportError: libhccl.so: cannot open shared object file``), torch and torch_npu versions do not pair, or a
-            CUDA build of torch is installed next to it ("Two accelerators cannot be used at the same time"). The
-            message is one line and names the fix.
+            (``ImportError: libhccl.so: cannot open shared object file``), torch and torch_npu versions do not pair,
+            or a CUDA build of torch is installed next to it ("Two accelerators cannot be used at the same time").
+            The message is one line and names the fix.
     """
     if "torch_npu" in sys.modules:
         return True
@@ -171,7 +171,7 @@ def local_devices() -> tuple[str, int]:
 
 
 def device_for_local_rank(local_rank: int) -> torch.device:
-    """The torch device of a local rank: ``npu:i`` / ``cuda:i``, or ``cpu`` (the CPU accelerator's ``device()`` is None).
+    """The torch device of a local rank: ``npu:i`` / ``cuda:i``, or ``cpu`` (CPU accelerator's ``device()`` is None).
 
     Args:
         local_rank: Index of the process on its node.
@@ -228,7 +228,8 @@ def _fill_single_process_env() -> None:
         missing = [name for name in needed if name not in os.environ]
         if missing:
             raise RuntimeError(
-                f"WORLD_SIZE={world_size} but {', '.join(missing)} unset: launch with torchrun or the deepspeed launcher"
+                f"WORLD_SIZE={world_size} but {', '.join(missing)} unset: "
+                "launch with torchrun or the deepspeed launcher"
             )
         return
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -352,7 +353,9 @@ def check_dtype_supported(dtype: torch.dtype, setting: str = "dtype") -> None:
     else:
         raise ConfigError(f"{setting}: {dtype} is not a compute dtype; use one of {', '.join(_DTYPES)}")
     if not ok:
-        raise ConfigError(f"{setting}: {dtype} is not supported by the {acc.device_name()} accelerator; use fp32 or bf16")
+        raise ConfigError(
+            f"{setting}: {dtype} is not supported by the {acc.device_name()} accelerator; use fp32 or bf16"
+        )
 
 
 def _named_tensors(obj: Any) -> Iterable[tuple[str, torch.Tensor]]:
@@ -443,5 +446,7 @@ def set_attention_backend(module: torch.nn.Module, name: str | None) -> str:
         try:
             model.set_attention_backend(backend)
         except (RuntimeError, ImportError) as err:  # diffusers: kernel package missing or too old
-            raise ConfigError(f"attention_backend: {backend!r} is not usable here ({_one_line(err)}); use 'native'") from err
+            raise ConfigError(
+                f"attention_backend: {backend!r} is not usable here ({_one_line(err)}); use 'native'"
+            ) from err
     return backend

@@ -8,8 +8,10 @@ DeepSpeed: the VAE, text encoders and reward models stay outside, because zero.I
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import deepspeed
@@ -102,6 +104,21 @@ def build_reference(transformer: torch.nn.Module, ds: dict):
     engine, *_ = deepspeed.initialize(model=transformer, config=ref_ds)
     engine.eval()
     return engine
+
+
+@contextlib.contextmanager
+def inference_module(engine, gather: bool) -> Iterator[torch.nn.Module]:
+    """The engine's module for no-grad forwards (rollouts, reference, eval).
+
+    With `gather`, ZeRO-3's weights are all-gathered once and its fetch hooks removed for the whole block (TRL's
+    unwrap-for-generation), so N denoising steps x B micro-batches do not each re-gather every layer. Without it,
+    every forward gathers and frees layer by layer (slower, but never a full copy per device).
+    """
+    if gather:
+        with deepspeed.zero.unwrap_model_for_generation(engine):
+            yield engine.module
+    else:
+        yield engine.module
 
 
 def lora_state_dict(engine) -> dict[str, torch.Tensor] | None:

@@ -144,18 +144,23 @@ class FluxGRPORecipe:
         cfg = self.cfg
         self.evaluate(step=0)
         for step in range(cfg.max_steps):
-            t0 = time.perf_counter()
+            clock = [time.perf_counter()]
             batch = self.rollout(step)
+            clock.append(time.perf_counter())
             rewards, reward_stats = self.score(batch)
             advantages, adv_stats = self.advantages(rewards)
+            clock.append(time.perf_counter())
             reference = self.reference_means(batch) if cfg.grpo.kl_coef > 0 else None
             if torch.isfinite(rewards).all():
                 update_stats = self.update(step, batch, advantages, reference)
             else:  # a NaN reward would poison every advantage of the step: skip the update, keep the count
                 update_stats = {"skipped_updates": 1.0}
-            elapsed = time.perf_counter() - t0
-            self.metrics.log(step, {**reward_stats, **adv_stats, **update_stats, "step_time_s": elapsed,
-                                    "samples_per_s": self.layout.samples_per_step / elapsed})
+            clock.append(time.perf_counter())
+            elapsed = clock[-1] - clock[0]
+            timings = {"time/rollout_s": clock[1] - clock[0], "time/reward_s": clock[2] - clock[1],
+                       "time/update_s": clock[3] - clock[2], "step_time_s": elapsed,
+                       "samples_per_s": self.layout.samples_per_step / elapsed}
+            self.metrics.log(step, {**reward_stats, **adv_stats, **update_stats, **timings})
             if self.rank == 0:
                 log.info("step %d | reward %.4f | loss %.3e | ratio_max_dev %.2e | %.1fs", step,
                          reward_stats["reward_mean"], update_stats.get("loss", float("nan")),
@@ -186,15 +191,17 @@ class FluxGRPORecipe:
         prompt_of_slot = prompts_for_step(len(self.train_prompts), cfg.batch.prompts_per_step, cfg.seed, step)
         ids = self.layout.rank_sample_ids(self.rank)
         chunks = []
-        for chunk in self._chunks(ids):
-            prompt_idx = [prompt_of_slot[s // g] for s in chunk]
-            noise_keys = [s // g for s in chunk] if cfg.sampling.init_same_noise else chunk
-            cond = self._conditioning(self.train_prompts, prompt_idx)
-            traj = sample(self.engine.module, cond, self._initial_latents(step, noise_keys), self.sigmas,
-                          self.sde, [step_noise_generator(cfg.seed, step, s) for s in chunk])
-            images = decode(self.vae, traj.x0, cfg.sampling.resolution, self.vae_scale_factor)
-            chunks.append({"ids": chunk, "prompt_idx": prompt_idx, "cond": cond, "traj": traj, "images": images,
-                           "trained": self._trained_steps(step, chunk)})
+        with eng.inference_module(self.engine, cfg.deepspeed.gather_for_rollout) as model:
+            for chunk in self._chunks(ids):
+                prompt_idx = [prompt_of_slot[s // g] for s in chunk]
+                noise_keys = [s // g for s in chunk] if cfg.sampling.init_same_noise else chunk
+                cond = self._conditioning(self.train_prompts, prompt_idx)
+                traj = sample(model, cond, self._initial_latents(step, noise_keys), self.sigmas, self.sde,
+                              [step_noise_generator(cfg.seed, step, s) for s in chunk])
+                chunks.append({"ids": chunk, "prompt_idx": prompt_idx, "cond": cond, "traj": traj,
+                               "trained": self._trained_steps(step, chunk)})
+        for c in chunks:  # decode after the gathered weights are released
+            c["images"] = decode(self.vae, c["traj"].x0, cfg.sampling.resolution, self.vae_scale_factor)
         return {"chunks": chunks, "images": torch.cat([c["images"] for c in chunks])}
 
     # ----------------------------------------------------------------------------------------------- reward
@@ -202,10 +209,11 @@ class FluxGRPORecipe:
     def score(self, batch: dict) -> tuple[torch.Tensor, dict]:
         """Score own images, gather the per-reward scores with their global index, mix them. Returns [N] rewards."""
         local, ids = [], []
-        for c in batch["chunks"]:
-            prompts = [self.train_prompts.prompts[i] for i in c["prompt_idx"]]
-            local.append(self.rewards(c["images"], prompts).float())
-            ids.extend(c["ids"])
+        with self.rewards.on_device():
+            for c in batch["chunks"]:
+                prompts = [self.train_prompts.prompts[i] for i in c["prompt_idx"]]
+                local.append(self.rewards(c["images"], prompts).float())
+                ids.extend(c["ids"])
         local = torch.cat(local)
         nonfinite = finite_check(local, self.rewards.names)
         components = gather_by_index(local, torch.tensor(ids, device=local.device), self.layout.samples_per_step)
@@ -232,20 +240,20 @@ class FluxGRPORecipe:
     @torch.no_grad()
     def reference_means(self, batch: dict) -> list[dict[int, torch.Tensor]]:
         """Reference SDE means of every transition the update will train, per chunk (computed sharded)."""
-        if self.reference is None:  # LoRA: the base model is the policy with its adapters switched off
-            self.engine.module.disable_adapters()
-            model = self.engine.module
-        else:
-            model = self.reference.module
-        try:
-            return [
-                {j: transition(model, c["cond"], c["traj"].latents, self.sigmas, j, self.sde).mean
-                 for j in c["trained"]}
-                for c in batch["chunks"]
-            ]
-        finally:
-            if self.reference is None:
-                self.engine.module.enable_adapters()
+        lora = self.reference is None  # LoRA: the base model is the policy with its adapters switched off
+        gather = self.cfg.deepspeed.gather_for_rollout and lora
+        with eng.inference_module(self.engine if lora else self.reference, gather) as model:
+            if lora:
+                model.disable_adapters()
+            try:
+                return [
+                    {j: transition(model, c["cond"], c["traj"].latents, self.sigmas, j, self.sde).mean
+                     for j in c["trained"]}
+                    for c in batch["chunks"]
+                ]
+            finally:
+                if lora:
+                    model.enable_adapters()
 
     # ----------------------------------------------------------------------------------------------- update
     def update(self, step: int, batch: dict, advantages: torch.Tensor, reference) -> dict:
@@ -285,16 +293,20 @@ class FluxGRPORecipe:
             return None
         n = len(self.eval_prompts)
         ids = list(range(self.rank, n, self.world))
+        x0 = []
+        with eng.inference_module(self.engine, self.cfg.deepspeed.gather_for_rollout) as model:
+            for chunk in self._chunks(ids):
+                cond = self._conditioning(self.eval_prompts, chunk)
+                x0.append(sample(model, cond, self._initial_latents(0, chunk, EVAL_NOISE), self.sigmas,
+                                 SDEParams(0.0, self.cfg.sampling.sde)).x0)
         local, seen = [], []
-        for chunk in self._chunks(ids):
-            cond = self._conditioning(self.eval_prompts, chunk)
-            traj = sample(self.engine.module, cond, self._initial_latents(0, chunk, EVAL_NOISE), self.sigmas,
-                          SDEParams(0.0, self.cfg.sampling.sde))
-            images = decode(self.vae, traj.x0, self.cfg.sampling.resolution, self.vae_scale_factor)
-            local.append(self.rewards(images, [self.eval_prompts.prompts[i] for i in chunk]).float())
-            seen.extend(chunk)
-            if self.rank == 0 and len(seen) == len(chunk):
-                save_grid(images, self.out / "samples" / f"eval_step_{step:05d}.png", len(chunk))
+        with self.rewards.on_device():
+            for chunk, latents in zip(self._chunks(ids), x0):
+                images = decode(self.vae, latents, self.cfg.sampling.resolution, self.vae_scale_factor)
+                local.append(self.rewards(images, [self.eval_prompts.prompts[i] for i in chunk]).float())
+                seen.extend(chunk)
+                if self.rank == 0 and len(seen) == len(chunk):
+                    save_grid(images, self.out / "samples" / f"eval_step_{step:05d}.png", len(chunk))
         empty = torch.zeros(0, len(self.rewards.names), device=self.device)
         local = torch.cat(local) if local else empty
         components = gather_by_index(local, torch.tensor(seen, device=self.device, dtype=torch.long), n)

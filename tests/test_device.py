@@ -62,14 +62,18 @@ def fake_torch_npu(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_torch_npu_absent_selects_cpu():
+def test_torch_npu_absent_selects_cuda_or_cpu():
     if device.importlib.util.find_spec("torch_npu") is not None:
         pytest.skip("torch_npu is installed here")
     assert device.import_torch_npu() is False
-    assert device.accelerator().device_name() == "cpu"
-    assert device.device_for_local_rank(0) == torch.device("cpu")
-    assert device.device_for_local_rank(3) == torch.device("cpu")  # CPU accelerator: every rank is plain "cpu"
     assert device.is_npu() is False
+    if os.environ.get("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu") == "cuda":
+        assert device.accelerator().device_name() == "cuda"
+        assert device.device_for_local_rank(0) == torch.device("cuda", 0)
+    else:
+        assert device.accelerator().device_name() == "cpu"
+        assert device.device_for_local_rank(0) == torch.device("cpu")
+        assert device.device_for_local_rank(3) == torch.device("cpu")  # CPU accelerator: every rank is plain "cpu"
 
 
 def test_broken_torch_npu_gives_one_line_cann_hint(fake_torch_npu: Path):
@@ -119,8 +123,8 @@ def test_broken_torch_npu_uncaught_error_ends_with_the_hint(fake_torch_npu: Path
 
 
 def test_ds_accelerator_set_too_late_is_reported(monkeypatch):
-    device.accelerator()  # DeepSpeed is now bound (to cpu on this machine)
-    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    bound = device.accelerator().device_name()  # DeepSpeed is now bound for the rest of this process
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda" if bound != "cuda" else "cpu")
     with pytest.raises(RuntimeError, match="before anything imports deepspeed"):
         device.accelerator()
 
@@ -357,3 +361,29 @@ def test_npu_env_keeps_user_values(tmp_path: Path):
     bare.mkdir()
     out = _source_npu_env(bare, with_npu_smi=False)
     assert "ASCEND_RT_VISIBLE_DEVICES" not in out  # no npu-smi: left unset, the runtime then sees every chip
+
+
+def _requirements(path: Path) -> dict[str, str]:
+    """name -> version specifier of a requirements file (options and comments dropped)."""
+    import re
+
+    reqs = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line or line.startswith("-"):
+            continue
+        match = re.match(r"([A-Za-z0-9_.\-]+)\s*(.*)", line)
+        reqs[match.group(1).lower().replace("_", "-")] = match.group(2).replace(" ", "")
+    return reqs
+
+
+def test_requirements_npu_pairs_torch_and_mirrors_the_rest():
+    main, npu = _requirements(REPO / "requirements.txt"), _requirements(REPO / "requirements-npu.txt")
+    torch_pin = npu["torch"].removeprefix("==")
+    assert npu["torch-npu"].removeprefix("==").split(".post")[0] == torch_pin  # torch_npu X.Y.Z[.postN] <-> torch X.Y.Z
+    assert "torchvision" in npu
+    device_specific = {"torch", "torchvision", "torch-npu"}
+    assert {k: v for k, v in main.items() if k not in device_specific} == {
+        k: v for k, v in npu.items() if k not in device_specific
+    }
+    assert "torch-npu" not in main

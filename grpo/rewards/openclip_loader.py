@@ -1,0 +1,187 @@
+"""open_clip models for the CLIP-family rewards (HPS v2, CLIP score, the aesthetic predictor's backbone).
+
+Where the weights come from (`pretrained` option):
+- an open_clip tag of `model` (e.g. ViT-H-14 + laion2b_s32b_b79k, ViT-L-14 + openai): the tag's hub repo, with the
+  tag's QuickGELU flag and preprocessing (mean/std, resize mode);
+- "hf-hub:org/name" or a local folder laid out like an open_clip hub repo: open_clip_config.json (which names the
+  architecture; `model` is then ignored) + open_clip_model.safetensors or open_clip_pytorch_model.bin;
+- a local checkpoint file for `model` (default open_clip preprocessing: shortest side, centre crop, OpenAI mean/std).
+
+The model is built without weights, then the checkpoint is loaded strictly (safetensors, or torch.load with
+weights_only=True, through open_clip.load_checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from grpo.errors import ConfigError
+from grpo.rewards.hub import FileRef, is_local, locate
+from grpo.rewards.preprocess import normalize, resize_longest_pad, resize_shortest_center_crop, squash
+
+__all__ = ["OpenClipPlan", "check_arch", "plan_open_clip", "register_model_config", "load_open_clip", "clip_preprocess"]
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "open_clip_config.json"
+WEIGHT_NAMES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
+HF_PREFIX = "hf-hub:"
+
+
+@dataclass(frozen=True)
+class OpenClipPlan:
+    """How to build one open_clip model, decided without loading anything.
+
+    Attributes:
+        model: open_clip architecture name (unused when `config` is set).
+        weights: the checkpoint file.
+        config: open_clip_config.json of a hub repo or folder, which names the architecture, or None.
+        quick_gelu: force QuickGELU (OpenAI and DFN weights were trained with it).
+        preprocess: preprocessing overrides (mean, std, interpolation, resize_mode) from the pretrained tag.
+    """
+
+    model: str
+    weights: FileRef
+    config: FileRef | None = None
+    quick_gelu: bool = False
+    preprocess: dict[str, Any] = field(default_factory=dict)
+
+    def files(self) -> list[FileRef]:
+        return [self.config, self.weights] if self.config is not None else [self.weights]
+
+
+def register_model_config(path: str | None, model: str, setting: str) -> None:
+    """Registers an open_clip model-config JSON (an architecture not shipped with open_clip, e.g. a tiny test one).
+
+    The architecture is registered under the file's stem, which must equal `model`.
+    """
+    if path is None:
+        return
+    import open_clip
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"{setting}.model_config: file {p} not found; give an open_clip model-config JSON")
+    if p.stem != model:
+        raise ConfigError(f"{setting}.model_config: registers architecture {p.stem!r} but {setting}.model is "
+                          f"{model!r}; set {setting}.model: {p.stem}")
+    try:
+        cfg = json.loads(p.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{setting}.model_config: {p} is not valid JSON ({err})") from err
+    if not all(k in cfg for k in ("embed_dim", "vision_cfg", "text_cfg")):
+        raise ConfigError(f"{setting}.model_config: {p} lacks embed_dim/vision_cfg/text_cfg; not an open_clip config")
+    if model not in open_clip.list_models():
+        open_clip.add_model_config(p)
+
+
+def check_arch(model: str, setting: str) -> None:
+    import open_clip
+
+    if model not in open_clip.list_models():
+        raise ConfigError(f"{setting}.model: unknown open_clip architecture {model!r}; use a name from "
+                          f"open_clip.list_models() (e.g. ViT-H-14, ViT-L-14) or register one with "
+                          f"{setting}.model_config")
+
+
+def plan_open_clip(model: str, pretrained: str, setting: str) -> OpenClipPlan:
+    """Decides architecture, files and preprocessing for (`model`, `pretrained`); see the module docstring.
+
+    Args:
+        model: open_clip architecture name.
+        pretrained: tag, "hf-hub:org/name", local folder or local checkpoint file.
+        setting: e.g. "rewards.clip_score" (messages name `<setting>.pretrained`).
+
+    Raises:
+        ConfigError: unknown architecture or tag, a tag without a hub location.
+    """
+    import open_clip
+
+    where = f"{setting}.pretrained"
+    if pretrained.startswith(HF_PREFIX):
+        repo = pretrained[len(HF_PREFIX):]
+        return OpenClipPlan(model, FileRef(where, repo, WEIGHT_NAMES), FileRef(where, repo, (CONFIG_NAME,)))
+    if is_local(pretrained):
+        p = Path(pretrained).expanduser()
+        if p.is_file():
+            check_arch(model, setting)
+            return OpenClipPlan(model, FileRef(where, str(p.parent), (p.name,)))
+        # A folder laid out like an open_clip hub repo (or a missing path, reported by the file check).
+        return OpenClipPlan(model, FileRef(where, str(p), WEIGHT_NAMES), FileRef(where, str(p), (CONFIG_NAME,)))
+    check_arch(model, setting)
+    cfg = open_clip.get_pretrained_cfg(model, pretrained)
+    if not cfg:
+        tags = open_clip.list_pretrained_tags_by_model(model)
+        raise ConfigError(f"{where}: {pretrained!r} is not an open_clip tag of {model} (tags: {', '.join(tags) or 'none'}),"
+                          f" nor hf-hub:ORG/NAME, nor a local folder or file")
+    hub = cfg.get("hf_hub", "")
+    if not hub:
+        raise ConfigError(f"{where}: tag {pretrained!r} of {model} has no Hugging Face location; download "
+                          f"{cfg.get('url', 'the checkpoint')} and set {where} to the file")
+    # open_clip's convention: "org/name/" = default file names, "org/name/file.pt" = that file.
+    if hub.endswith("/"):
+        repo, names = hub.rstrip("/"), WEIGHT_NAMES
+    else:
+        repo, filename = hub.rsplit("/", 1)
+        safe = filename.rsplit(".", 1)[0] + ".safetensors"
+        names = (safe, filename) if filename.endswith((".bin", ".pth")) else (filename,)
+    preprocess = {k: cfg[k] for k in ("mean", "std", "interpolation", "resize_mode") if k in cfg}
+    return OpenClipPlan(model, FileRef(where, repo, names, hub_hint=repo),
+                        quick_gelu=bool(cfg.get("quick_gelu", False)), preprocess=preprocess)
+
+
+def load_open_clip(plan: OpenClipPlan, cache_dir: str | None, setting: str) -> tuple[nn.Module, Any]:
+    """Builds the model on the CPU in float32 with its weights, and its tokenizer.
+
+    Returns:
+        (model, tokenizer): model.visual.preprocess_cfg holds the preprocessing; tokenizer(list[str]) -> [n, ctx].
+    """
+    import open_clip
+
+    weights = locate(plan.weights, cache_dir, download=True)
+    if plan.config is not None:
+        config = locate(plan.config, cache_dir, download=True)
+        name = "local-dir:" + str(config.parent)
+    else:
+        name = plan.model
+    # load_weights=False: the checkpoint is loaded below from the file located above (never a second download).
+    model = open_clip.create_model(
+        name,
+        pretrained=None,
+        load_weights=False,
+        force_quick_gelu=plan.quick_gelu,
+        force_preprocess_cfg=plan.preprocess or None,
+        output_dict=True,
+    )
+    try:
+        open_clip.load_checkpoint(model, str(weights), strict=True, weights_only=True)
+    except (RuntimeError, KeyError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{setting}: checkpoint {weights} does not fit open_clip model {name} ({first}); "
+                          f"check {setting}.model") from err
+    tokenizer = open_clip.get_tokenizer(name)
+    logger.info("open_clip %s loaded from %s", name, weights)
+    return model, tokenizer
+
+
+def clip_preprocess(images: Tensor, cfg: dict[str, Any]) -> Tensor:
+    """open_clip's eval transform (`image_transform_v2`) on tensors, from model.visual.preprocess_cfg."""
+    size = cfg["size"]
+    h, w = (size, size) if isinstance(size, int) else tuple(size)
+    interp = cfg.get("interpolation", "bicubic")
+    mode = cfg.get("resize_mode", "shortest")
+    if mode == "squash":
+        x = squash(images, (h, w), interp)
+    elif mode == "longest":
+        x = resize_longest_pad(images, max(h, w), interp, fill=cfg.get("fill_color", 0) / 255.0, clamp=True)
+    else:
+        if h != w:
+            raise ValueError("open_clip 'shortest' resize with a non-square size is not supported")
+        x = resize_shortest_center_crop(images, h, (h, w), interp, crop_rounding="torchvision", clamp=True)
+    return normalize(x, cfg["mean"], cfg["std"])

@@ -1,0 +1,101 @@
+"""Rewards computed by code, without a model: the tiny world's prompt-conditioned score and DDPO's JPEG rewards."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from grpo.errors import ConfigError
+from grpo.rewards.base import Reward
+from grpo.rewards.options import COMMON_OPTIONS, Option
+
+__all__ = ["TinyWorldReward", "JpegIncompressibility", "JpegCompressibility", "jpeg_kilobytes"]
+
+
+class TinyWorldReward(Reward):
+    """grpo.tiny.world.score: how well an image shows "a {color} {shape} on a {background} background", in [0, 1]."""
+
+    DESCRIPTION = "tiny world's programmatic reward (grpo.tiny.world.score), in [0, 1]"
+    OPTIONS = COMMON_OPTIONS
+
+    @classmethod
+    def validate(cls, options: dict[str, Any], setting: str) -> None:
+        import importlib.util
+
+        if importlib.util.find_spec("grpo.tiny.world") is None:
+            raise ConfigError(f"{setting}: module grpo.tiny.world is missing; the tiny_world reward needs it")
+
+    def __init__(self, name: str, device: torch.device, options: dict[str, Any]) -> None:
+        super().__init__(name, options["batch_size"])
+        self._device = torch.device(device)
+        # Imported here so that the reward package does not import the tiny world unless it is used.
+        from grpo.tiny import world
+
+        self._score = world.score
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def score(self, images: Tensor, prompts: list[str]) -> Tensor:
+        return self._score(images, prompts)
+
+
+def jpeg_kilobytes(images: Tensor, quality: int = 95) -> Tensor:
+    """JPEG size of each image in kB (1000 bytes), as DDPO's `jpeg_incompressibility`.
+
+    Images are quantised like DDPO ((x * 255).round().clamp(0, 255) to uint8) and saved by PIL at `quality`. The
+    encoder runs on the CPU whatever the images' device: JPEG size is a property of the encoded file.
+
+    Args:
+        images: [B, 3, H, W] in [0, 1].
+        quality: JPEG quality (DDPO: 95).
+
+    Returns:
+        float32 [B] on the CPU.
+    """
+    from PIL import Image
+
+    pixels = (images.detach().float() * 255).round().clamp(0, 255).to(torch.uint8).cpu()
+    pixels = pixels.permute(0, 2, 3, 1).contiguous().numpy()
+    sizes = []
+    for array in pixels:
+        buffer = io.BytesIO()
+        Image.fromarray(array).save(buffer, format="JPEG", quality=quality)
+        sizes.append(buffer.tell() / 1000)
+    return torch.tensor(sizes, dtype=torch.float32)
+
+
+class JpegIncompressibility(Reward):
+    """DDPO's jpeg_incompressibility: JPEG size in kB (bigger = more detail)."""
+
+    DESCRIPTION = "DDPO jpeg_incompressibility: JPEG size in kB (quality 95)"
+    OPTIONS = {**COMMON_OPTIONS, "quality": Option(int, 95, "JPEG quality, 1-95 (DDPO: 95)")}
+    SIGN = 1.0
+
+    @classmethod
+    def validate(cls, options: dict[str, Any], setting: str) -> None:
+        if not 1 <= options["quality"] <= 95:
+            raise ConfigError(f"{setting}.quality: {options['quality']} outside 1-95 (PIL's useful range); DDPO uses 95")
+
+    def __init__(self, name: str, device: torch.device, options: dict[str, Any]) -> None:
+        super().__init__(name, options["batch_size"])
+        self.quality = options["quality"]
+        self._device = torch.device(device)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def score(self, images: Tensor, prompts: list[str]) -> Tensor:
+        return self.SIGN * jpeg_kilobytes(images, self.quality)
+
+
+class JpegCompressibility(JpegIncompressibility):
+    """DDPO's jpeg_compressibility: minus the JPEG size in kB (smaller files score higher)."""
+
+    DESCRIPTION = "DDPO jpeg_compressibility: minus the JPEG size in kB (quality 95)"
+    SIGN = -1.0
