@@ -28,7 +28,7 @@ import os
 import random
 import socket
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -58,6 +58,7 @@ __all__ = [
     "autocast",
     "check_dtype_supported",
     "device_for_local_rank",
+    "emulate_device_on_cpu",
     "import_torch_npu",
     "init_distributed",
     "is_npu",
@@ -69,6 +70,10 @@ __all__ = [
 
 # Accepted spellings of the three compute dtypes; the config uses the short names.
 _DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# The device of "accelerator" tensors on the CPU accelerator. grpo.tools.npu_audit swaps in torch.device("cpu", 0)
+# (same memory and kernels) so that its dispatch mode can tell device tensors from host ones (see emulate_device_on_cpu).
+_cpu_accelerator_device = torch.device("cpu")
 
 # The attention backends the device layer knows something about; any other name diffusers knows is passed through.
 _NPU_ONLY_BACKENDS = frozenset({"_native_npu"})
@@ -181,8 +186,27 @@ def device_for_local_rank(local_rank: int) -> torch.device:
     """
     acc = accelerator()
     if acc.device_name() == "cpu":
-        return torch.device("cpu")
+        return _cpu_accelerator_device
     return torch.device(acc.device_name(local_rank))
+
+
+@contextlib.contextmanager
+def emulate_device_on_cpu(index: int = 0) -> Iterator[torch.device]:
+    """On the CPU accelerator, gives ranks the device ``cpu:<index>`` instead of ``cpu`` while the context is open.
+
+    For grpo.tools.npu_audit only: ``cpu:0`` tensors are ordinary CPU tensors, but factory calls and ``.to()`` moves
+    that name it carry the index into the dispatcher, so an audit can tell "would be on the NPU" (``cpu:0``) from
+    "stays on the host" (``cpu``). DistInfo objects made inside the context keep the indexed device.
+
+    Yields:
+        The emulated accelerator device.
+    """
+    global _cpu_accelerator_device
+    previous, _cpu_accelerator_device = _cpu_accelerator_device, torch.device("cpu", index)
+    try:
+        yield _cpu_accelerator_device
+    finally:
+        _cpu_accelerator_device = previous
 
 
 @dataclass(frozen=True)

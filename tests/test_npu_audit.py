@@ -126,6 +126,31 @@ def test_syncs_reported_in_rollout_only_and_on_device_tensors_only():
     assert {f.kind for f in everything.findings.values()} == {"sync", "float64"}
 
 
+def test_emulated_accelerator_device_tracks_factories_and_moves():
+    from grpo.device import accelerator, device_for_local_rank, emulate_device_on_cpu
+
+    on_cpu = accelerator().device_name() == "cpu"
+    with emulate_device_on_cpu() as dev:
+        assert dev == torch.device("cpu", 0)
+        if on_cpu:
+            assert device_for_local_rank(0) == dev
+        auditor = Auditor(accelerator_device=dev)
+        with auditor, auditor.phase("rollout"):
+            noise = torch.randn(4)  # host: drawn on the CPU on purpose
+            x = noise.to(dev)  # host -> device: no sync
+            noise.sum().item()
+            torch.arange(3, dtype=torch.float64).sum()  # host float64: fine
+            x.sum().item()  # sync
+            torch.zeros(3, device=dev).double()  # float64 on the device
+            x.to("cpu").sum().item()  # one sync, the copy
+            x.to(noise.device)  # plain `cpu` of some tensor: not taken for a host copy
+    if on_cpu:
+        assert device_for_local_rank(0) == torch.device("cpu")
+    rows = {(f.kind, f.op.split(",")[0]) for f in auditor.findings.values()}
+    assert rows == {("sync", "aten._local_scalar_dense"), ("sync", "Tensor.to"), ("float64", "aten._to_copy")}
+    assert all(f.count == 1 for f in auditor.findings.values()), auditor.format_table()
+
+
 def test_backward_ops_are_attributed_to_autograd_nodes():
     net = Net()
     auditor = Auditor()

@@ -176,3 +176,38 @@ def test_labelled_duplicate_rewards() -> None:
     torch.testing.assert_close(rewards.weights, torch.tensor([1.0, 0.5]))
     comps = rewards(images(2), ["a", "b"])
     assert (comps[:, 0] > comps[:, 1]).all()  # quality 95 files are bigger than quality 50 ones
+
+
+PRESETS = sorted((Path(__file__).resolve().parents[1] / "recipes" / "configs" / "flux1_dev").glob("*.yaml"))
+
+
+def _localize(spec: dict, root: Path) -> dict:
+    """Points every hub file of `spec` at a local folder holding (empty) files of the expected names."""
+    from grpo.rewards.hub import is_local
+    from grpo.rewards.options import validate_options
+    from grpo.rewards.registry import _entry
+
+    spec = copy.deepcopy(normalize_spec(spec))
+    for key, raw in spec.items():
+        cls = _entry(key)
+        for _ in range(3):  # a tag becomes a folder, which then also needs its open_clip_config.json
+            options = validate_options(raw, cls.OPTIONS, f"rewards.{key}")
+            for ref in cls.files(options, f"rewards.{key}"):
+                option = ref.setting.rsplit(".", 1)[1]
+                folder = Path(raw[option]) if is_local(ref.source) else root / key / option
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / ref.filenames[0]).touch()
+                raw[option] = str(folder)
+    return spec
+
+
+@pytest.mark.skipif(not PRESETS, reason="no flux1_dev presets")
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
+def test_flux1_dev_presets_need_their_reward_files(preset, offline, tmp_path) -> None:
+    import yaml
+
+    rewards = yaml.safe_load(preset.read_text())["rewards"]
+    with pytest.raises(ConfigError, match="HF_HUB_OFFLINE is set; get it with `hf download "):
+        check_rewards({k: {**(v if isinstance(v, dict) else {"weight": v}), "cache_dir": str(tmp_path / "cache")}
+                       for k, v in rewards.items()})
+    check_rewards(_localize(rewards, tmp_path))  # passes once the files are local (not loaded: start-up check)

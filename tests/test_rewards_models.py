@@ -89,9 +89,10 @@ def test_clip_score_matches_open_clip(built, batch, tiny_reward_spec) -> None:
     import open_clip
 
     x, prompts = batch
-    model, _, preprocess = open_clip.create_model_and_transforms("local-dir:" + tiny_reward_spec["clip_score"]["pretrained"])
+    name = "local-dir:" + tiny_reward_spec["clip_score"]["pretrained"]
+    model, _, preprocess = open_clip.create_model_and_transforms(name)
     model.eval()
-    tokenizer = open_clip.get_tokenizer("local-dir:" + tiny_reward_spec["clip_score"]["pretrained"])
+    tokenizer = open_clip.get_tokenizer(name)
     with torch.no_grad():
         img = model.encode_image(torch.stack([preprocess(p) for p in _pil(x)]), normalize=True)
         txt = model.encode_text(tokenizer(prompts), normalize=True)

@@ -121,8 +121,8 @@ def test_blank_noise_and_blur_are_ordered(prompts, images):
     blurred = torch.nn.functional.avg_pool2d(images, 5, 1, 2, count_include_pad=False)
     s_blank, s_noise, s_blur = (world.score(x, prompts) for x in (blank, noise, blurred))
     assert (s_blank < 0.4).all() and (s_noise < 0.4).all()
-    # Soft: a blur costs a little, not everything.
-    assert (s_blur < truth + 1e-6).all() and s_blur.mean() > 0.7 and s_blur.mean() < truth.mean()
+    # Soft: a blur costs a little on average (single images may gain: it can round a small circle), not everything.
+    assert 0.7 < s_blur.mean() < truth.mean() - 0.05
 
 
 def test_score_in_unit_range_for_arbitrary_inputs(prompts):

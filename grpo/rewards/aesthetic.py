@@ -23,7 +23,13 @@ from grpo.errors import ConfigError
 from grpo.rewards.base import ModelReward
 from grpo.rewards.clip_score import OPEN_CLIP_OPTIONS
 from grpo.rewards.hub import FileRef, locate
-from grpo.rewards.openclip_loader import OpenClipPlan, clip_preprocess, load_open_clip, plan_open_clip, register_model_config
+from grpo.rewards.openclip_loader import (
+    OpenClipPlan,
+    clip_preprocess,
+    load_open_clip,
+    plan_open_clip,
+    register_model_config,
+)
 from grpo.rewards.options import MODEL_OPTIONS, Option
 
 __all__ = ["AestheticReward", "AestheticMLP", "MLP_KEYS"]

@@ -20,7 +20,13 @@ from torch import Tensor, nn
 
 from grpo.rewards.base import ModelReward, unique_prompts
 from grpo.rewards.hub import FileRef
-from grpo.rewards.openclip_loader import OpenClipPlan, clip_preprocess, load_open_clip, plan_open_clip, register_model_config
+from grpo.rewards.openclip_loader import (
+    OpenClipPlan,
+    clip_preprocess,
+    load_open_clip,
+    plan_open_clip,
+    register_model_config,
+)
 from grpo.rewards.options import MODEL_OPTIONS, Option
 
 __all__ = ["ClipScoreReward", "OPEN_CLIP_OPTIONS"]

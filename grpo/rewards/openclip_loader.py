@@ -118,8 +118,8 @@ def plan_open_clip(model: str, pretrained: str, setting: str) -> OpenClipPlan:
     cfg = open_clip.get_pretrained_cfg(model, pretrained)
     if not cfg:
         tags = open_clip.list_pretrained_tags_by_model(model)
-        raise ConfigError(f"{where}: {pretrained!r} is not an open_clip tag of {model} (tags: {', '.join(tags) or 'none'}),"
-                          f" nor hf-hub:ORG/NAME, nor a local folder or file")
+        raise ConfigError(f"{where}: {pretrained!r} is not an open_clip tag of {model} "
+                          f"(tags: {', '.join(tags) or 'none'}), nor hf-hub:ORG/NAME, nor a local folder or file")
     hub = cfg.get("hf_hub", "")
     if not hub:
         raise ConfigError(f"{where}: tag {pretrained!r} of {model} has no Hugging Face location; download "

@@ -65,7 +65,8 @@ class PickScoreReward(ModelReward):
         return [
             FileRef(f"{setting}.model", model, ("config.json",), hub_hint=MODEL_REPO),
             FileRef(f"{setting}.model", model, WEIGHTS, hub_hint=MODEL_REPO),
-            FileRef(f"{setting}.processor", proc, ("preprocessor_config.json", "processor_config.json"), hub_hint=PROCESSOR_REPO),
+            FileRef(f"{setting}.processor", proc, ("preprocessor_config.json", "processor_config.json"),
+                    hub_hint=PROCESSOR_REPO),
             FileRef(f"{setting}.processor", proc, ("tokenizer.json", "vocab.json"), hub_hint=PROCESSOR_REPO),
         ]
 
@@ -96,7 +97,8 @@ class PickScoreReward(ModelReward):
 
     def preprocess(self, images: Tensor) -> Tensor:
         """CLIPImageProcessor on [B, 3, H, W] in [0, 1] -> [B, 3, crop_h, crop_w] normalised."""
-        x = resize_shortest_center_crop(images.float(), self.short, self.crop, self.interpolation, crop_rounding="floor")
+        x = resize_shortest_center_crop(images.float(), self.short, self.crop, self.interpolation,
+                                        crop_rounding="floor")
         return normalize(x, self.mean, self.std)
 
     def score(self, images: Tensor, prompts: list[str]) -> Tensor:

@@ -79,7 +79,8 @@ class JpegIncompressibility(Reward):
     @classmethod
     def validate(cls, options: dict[str, Any], setting: str) -> None:
         if not 1 <= options["quality"] <= 95:
-            raise ConfigError(f"{setting}.quality: {options['quality']} outside 1-95 (PIL's useful range); DDPO uses 95")
+            raise ConfigError(f"{setting}.quality: {options['quality']} outside 1-95 (PIL's useful range); "
+                              f"DDPO uses 95")
 
     def __init__(self, name: str, device: torch.device, options: dict[str, Any]) -> None:
         super().__init__(name, options["batch_size"])

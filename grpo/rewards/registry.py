@@ -65,8 +65,8 @@ def _base_name(key: str) -> str:
 def normalize_spec(spec: Any) -> dict[str, dict[str, Any]]:
     """Expands shorthands: {name: 0.5} -> {name: {weight: 0.5}}; checks the spec's shape (not the options)."""
     if not isinstance(spec, dict) or not spec:
-        raise ConfigError(f"rewards: expected a non-empty map {{name: weight or {{weight: ..., options}}}}, got {spec!r}; "
-                          f"e.g. {{hpsv2: 1.0}}")
+        raise ConfigError(f"rewards: expected a non-empty map {{name: weight or {{weight: ..., options}}}}, "
+                          f"got {spec!r}; e.g. {{hpsv2: 1.0}}")
     out: dict[str, dict[str, Any]] = {}
     for key, value in spec.items():
         if not isinstance(key, str) or not key:
@@ -88,6 +88,7 @@ class _CustomReward(Reward):
     def __init__(self, name: str, fn: Callable[[Tensor, list[str]], Tensor], batch_size: int | None) -> None:
         super().__init__(name, batch_size)
         self.fn = fn
+        self._images_device = torch.device("cpu")
 
     @property
     def device(self) -> torch.device:

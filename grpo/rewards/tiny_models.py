@@ -3,12 +3,13 @@
 `write_tiny_reward_files(root)` writes:
   root/open_clip/grpo-tiny-clip.json           open_clip model config (registered by the `model_config` option)
   root/xswu-HPSv2/HPS_v2.1_compressed.pt       {"state_dict": ...} like the HPS checkpoints
-  root/tiny-open-clip/                         an open_clip hub repo: open_clip_config.json + open_clip_model.safetensors
+  root/tiny-open-clip/                         open_clip hub layout: open_clip_config.json + open_clip_model.safetensors
   root/improved-aesthetic-predictor/sac+logos+ava1-l14-linearMSE.pth   MLP head, keys layers.{0,2,4,6,7}
-  root/PickScore_v1/                           transformers CLIPModel.save_pretrained
-  root/CLIP-ViT-H-14-laion2B-s32B-b79K/        CLIPProcessor.save_pretrained (CLIP's real BPE vocabulary)
+  root/PickScore_v1/                           a transformers CLIPModel repo: config.json + model.safetensors
+  root/CLIP-ViT-H-14-laion2B-s32B-b79K/        the laion processor files: preprocessor_config.json (legacy format),
+                                               tokenizer.json/vocab.json/merges.txt, config.json
 and returns a rewards spec whose options point at them, so every reward loads through its real loading code.
-The tokenizers use CLIP's real vocabulary (open_clip's bundled BPE), so tokenisation matches the real models.
+The tokenizers use CLIP's real vocabulary (open_clip's bundled BPE), so token ids match the real models'.
 """
 
 from __future__ import annotations

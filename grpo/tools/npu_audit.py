@@ -15,18 +15,22 @@ What counts as a finding (each with the module that ran it and the Python call s
 The device view. The audit runs on the CPU but reports what the same code would do on an NPU:
 
 * Only tensors that would live on the accelerator count: parameters and buffers of modules that run, inputs of
-  module calls, and everything computed from them (tracked op by op). Host tensors (the sigma table, noise drawn
-  from CPU generators, numpy-derived schedules) may be float64 and may be read with ``.item()`` at no device cost.
-  Factory calls (``torch.zeros(..., device=d)``) cannot be told apart from host ones on a CPU run; they count from
-  the first op that mixes them with device tensors.
+  module calls, tensors made on or moved to the recipe's device, and everything computed from them (tracked op by
+  op). Host tensors (the sigma table, noise drawn from CPU generators, numpy-derived schedules) may be float64 and
+  may be read with ``.item()`` at no device cost. To see the recipe's own factory calls and moves, the CLI runs it
+  with the device ``cpu:0`` (``grpo.device.emulate_device_on_cpu``): same CPU memory and kernels, but the index
+  reaches the dispatcher (``device=cpu:0`` in ``torch.zeros``/``randn``/``_to_copy``), while host code says ``cpu``.
 * diffusers decides some dtypes by device type: ``maybe_adjust_dtype_for_device(torch.float64, device)`` gives float32
   on npu (mps, neuron) and float64 elsewhere; Flux's RoPE table (``FluxPosEmbed``) is the main case. The audit makes
   diffusers treat the CPU like an NPU for float64 while it runs, so the float64 that diffusers builds on CPU/CUDA but
-  never on NPU is not reported, and float64 that would reach the NPU is. ``--cpu-view`` turns both off (every tensor
-  counts, diffusers keeps its CPU dtypes) for a raw listing.
+  never on NPU is not reported, and float64 that would reach the NPU is. ``--cpu-view`` turns all of this off (every
+  tensor counts, diffusers keeps its CPU dtypes) for a raw listing.
 
-Not visible on a CPU run: device-to-host copies written as ``.to("cpu")`` (indistinguishable from a host-to-device
-move when the device is the CPU), and anything inside compiled code.
+Not visible on a CPU run: host copies written ``.to(torch.device("cpu"))`` or ``.to(t.device)`` (tensors do not keep
+the ``cpu:0`` index, so these cannot be told from moves onto the device; ``.cpu()``, ``.to("cpu")``, ``.tolist()``
+and ``.numpy()`` are seen), ``torch.tensor(data, device=d)`` (no device reaches the dispatcher), tensors DeepSpeed
+creates itself (on its accelerator's plain ``cpu``, e.g. ZeRO-3's first-step trace checks), ops run in other threads
+(dispatch modes are thread-local) and compiled code.
 """
 
 from __future__ import annotations
@@ -123,6 +127,8 @@ NPU_OP_RULES: tuple[OpRule, ...] = (
         "vllm-project/vllm-omni PR #6571 (npu_deepspeed.md §3.5)",
         _any_dtype(torch.complex64, torch.complex128, torch.complex32),
     ),
+    # repeat_interleave(int repeats) decomposes before the dispatcher (into expand/clone), so only the float64 check
+    # sees that form; the rule catches the tensor-repeats overloads.
     OpRule(
         frozenset({"aten.repeat_interleave"}),
         "unsupported-op",
@@ -164,8 +170,9 @@ SYNC_RULES: tuple[OpRule, ...] = (
            "PyTorch docs of torch.repeat_interleave (output_size avoids a stream synchronization)", _no_output_size),
 )
 
-# Tensor methods that copy to the host without dispatching an op on a CPU tensor (so the dispatch mode cannot see them).
-_HOST_COPY_METHODS = ("cpu", "tolist", "numpy")
+# Tensor methods that copy to the host without dispatching an op on a CPU tensor (so the dispatch mode cannot see them);
+# for .to() only the literal "cpu" counts.
+_HOST_COPY_METHODS = ("cpu", "tolist", "numpy", "to")
 
 
 @dataclasses.dataclass
@@ -226,11 +233,16 @@ class Auditor:
             float64/complex/sync op of the CPU run.
         sync_phases: Phases in which host-device syncs are reported (None: every phase).
         project_dirs: Directories whose frames count as call sites, besides diffusers (default: the repository).
+        accelerator_device: The indexed CPU device (``cpu:0``) that the audited code uses as its accelerator, from
+            ``grpo.device.emulate_device_on_cpu``. With it, factory calls and ``.to()`` moves onto that device create
+            device tensors, and copies from a device tensor to plain ``cpu`` count as syncs. Without it only module
+            parameters, module inputs and what is computed from them count as device tensors.
     """
 
     def __init__(self, device_view: bool = True, sync_phases: Sequence[str] | None = ("rollout",),
-                 project_dirs: Sequence[str | Path] = ()):
+                 project_dirs: Sequence[str | Path] = (), accelerator_device: torch.device | None = None):
         self.device_view = device_view
+        self.accelerator_device = accelerator_device
         self.sync_phases = None if sync_phases is None else frozenset(sync_phases)
         self.project_dirs = tuple(str(Path(p).resolve()) for p in (REPO_ROOT, *project_dirs))
         self._site_dirs = self.project_dirs + tuple(self._package_dirs("diffusers"))
@@ -401,15 +413,16 @@ class Auditor:
     def _on_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        on_device = any(self._is_device(t) for t in inputs)
-        if on_device and self.device_view:
-            for tensor in outputs:
-                if tensor not in self._device:  # in-place/aliasing results keep an explicit host mark
-                    self._device[tensor] = True
-        if not on_device:
-            return
         packet = str(func.overloadpacket)
         name = str(func).removesuffix(".default")
+        # Made on / moved to the emulated accelerator (device=cpu:0), else computed from a device tensor.
+        on_device = self._targets_accelerator(kwargs) or any(self._is_device(t) for t in inputs)
+        if not on_device:
+            return
+        if self.device_view:
+            for tensor in outputs:
+                if tensor not in self._device:  # in-place/alias results keep an explicit host mark
+                    self._device[tensor] = True
         tensors = inputs + outputs
         dtypes = {t.dtype for t in tensors}
         bad = sorted(str(d).replace("torch.", "") for d in dtypes if d == torch.float64 or d.is_complex)
@@ -427,6 +440,20 @@ class Auditor:
                 continue
             self._add(rule.kind, name, rule.reason, self._module(), self._site(), rule.source)
 
+    @property
+    def _emulating(self) -> bool:
+        return self.device_view and self.accelerator_device is not None
+
+    def _targets_accelerator(self, kwargs: dict) -> bool:
+        """True when an op's ``device=`` names the emulated accelerator (``cpu:0``; host code never writes an index).
+
+        The reverse cannot be read from ``device=cpu``: ``x.to(y.device)`` gives plain ``cpu`` for a device tensor
+        ``y`` too (tensors do not keep the index), so host copies are recognised only by ``.cpu()``, ``.to("cpu")``,
+        ``.tolist()`` and ``.numpy()``.
+        """
+        device = kwargs.get("device")
+        return self._emulating and isinstance(device, torch.device) and device == self.accelerator_device
+
     def _syncs_reported(self) -> bool:
         return self.sync_phases is None or self._phase in self.sync_phases
 
@@ -436,12 +463,17 @@ class Auditor:
         auditor = self
 
         def wrapper(tensor, *args, **kwargs):
-            if auditor._mode is not None and auditor._is_device(tensor) and auditor._syncs_reported():
+            # .to(): only the literal "cpu" is a host copy for sure (a torch.device may be some device tensor's).
+            if method == "to" and (args[:1] or (kwargs.get("device"),))[0] != "cpu":
+                return original(tensor, *args, **kwargs)
+            active = auditor._mode is not None and auditor._is_device(tensor)
+            if active and auditor._syncs_reported():
                 auditor._add("sync", f"Tensor.{method}", "copies a device tensor to the host", auditor._module(),
                              auditor._site(), _SYNC_SOURCE)
             result = original(tensor, *args, **kwargs)
-            if method == "cpu" and result is tensor:  # the CPU no-op returns self: give the host copy its own mark
-                result = tensor.view_as(tensor)
+            if active and isinstance(result, torch.Tensor):
+                if result is tensor:  # the CPU no-op returns self: give the host copy an identity of its own
+                    result = tensor.view_as(tensor)
                 auditor._device[result] = False
             return result
 
@@ -545,7 +577,9 @@ def run_recipe_step(config_path: str, overrides: Sequence[str], auditor: Auditor
 
     The hook between the audit and the recipe (recipes/flux_grpo.py, ``FluxGRPORecipe``): setup (model loading,
     prompt caches, DeepSpeed engines) runs outside the audit; the rollout, scoring/advantages and the update run
-    inside it, each in its own phase, so syncs are reported for the rollout only. The run writes into a temporary
+    inside it, each in its own phase, so syncs are reported for the rollout only. With ``auditor.accelerator_device``
+    set, the recipe's device is that indexed CPU device (``grpo.device.emulate_device_on_cpu``), so the tensors the
+    recipe creates on or moves to its device are tracked as device tensors. The run writes into a temporary
     output_dir unless the overrides name one.
 
     Args:
@@ -555,10 +589,13 @@ def run_recipe_step(config_path: str, overrides: Sequence[str], auditor: Auditor
         recipe_path: The recipe script.
     """
     from grpo.config import load_config
+    from grpo.device import emulate_device_on_cpu
 
     recipe_mod = load_recipe(recipe_path)
     overrides = list(overrides)
     with contextlib.ExitStack() as stack:
+        if auditor.accelerator_device is not None:
+            stack.enter_context(emulate_device_on_cpu(auditor.accelerator_device.index or 0))
         if not any(o.split("=", 1)[0] == "output_dir" for o in overrides):
             overrides.append(f"output_dir={stack.enter_context(tempfile.TemporaryDirectory())}/run")
         cfg = load_config(config_path, overrides)
@@ -599,7 +636,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from grpo.errors import ConfigError
 
     auditor = Auditor(device_view=not args.cpu_view, sync_phases=None if args.syncs_everywhere else ("rollout",),
-                      project_dirs=[Path(args.recipe).resolve().parent])
+                      project_dirs=[Path(args.recipe).resolve().parent],
+                      accelerator_device=None if args.cpu_view else torch.device("cpu", 0))
     try:
         run_recipe_step(args.config, args.overrides, auditor, args.recipe)
     except ConfigError as err:

@@ -1,0 +1,122 @@
+"""Command line: list the rewards, or score a folder of images with one, before spending a cluster on it.
+
+    python -m grpo.rewards --list
+    python -m grpo.rewards score --reward hpsv2 --images DIR --prompts prompts.txt [--option version=v2.0 ...]
+
+The prompts file has one prompt per line: either one line (used for every image) or one line per image, in the
+order of the image file names sorted. Prints one "file<TAB>score" line per image, then the mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from grpo.errors import ConfigError
+from grpo.rewards.registry import REGISTRY, build_rewards, reward_class
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+
+
+def _list() -> None:
+    for name in REGISTRY:
+        cls = reward_class(name)
+        print(f"{name}: {cls.DESCRIPTION}")
+        for key, opt in cls.OPTIONS.items():
+            print(f"    {key} = {opt.default!r}  ({opt.type_name()}) {opt.doc}")
+    print("pkg.module:factory: your own reward; factory(**options) returns (images, prompts) -> scores")
+
+
+def _parse_option(text: str) -> tuple[str, object]:
+    import yaml
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--option {text!r}: expected key=value, e.g. --option version=v2.0")
+    return key.strip(), yaml.safe_load(value)
+
+
+def _read_images(folder: Path) -> list[tuple[Path, torch.Tensor]]:
+    import numpy as np
+    from PIL import Image
+
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise ConfigError(f"--images: no {'/'.join(IMAGE_SUFFIXES)} files in {folder}")
+    out = []
+    for path in files:
+        array = np.asarray(Image.open(path).convert("RGB"), dtype=np.uint8)
+        out.append((path, torch.from_numpy(array.copy()).permute(2, 0, 1).float() / 255))
+    return out
+
+
+def _read_prompts(path: Path, count: int) -> list[str]:
+    lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if len(lines) == 1:
+        return lines * count
+    if len(lines) != count:
+        raise ConfigError(f"--prompts: {path} has {len(lines)} prompts for {count} images; give one line per image "
+                          f"(in sorted file-name order) or a single line for all")
+    return lines
+
+
+def _score(args: argparse.Namespace) -> None:
+    options = dict(_parse_option(o) for o in args.option)
+    if args.batch_size is not None:
+        options["batch_size"] = args.batch_size
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rewards = build_rewards({args.reward: {"weight": 1.0, **options}}, device)
+    items = _read_images(Path(args.images))
+    prompts = _read_prompts(Path(args.prompts), len(items))
+    scores: list[float] = []
+    start = 0
+    while start < len(items):
+        # Batch consecutive images of one size (a batch is one tensor).
+        end = start + 1
+        while end < len(items) and items[end][1].shape == items[start][1].shape:
+            end += 1
+        batch = torch.stack([t for _, t in items[start:end]]).to(device)
+        scores += rewards(batch, prompts[start:end])[:, 0].tolist()
+        start = end
+    for (path, _), score in zip(items, scores):
+        print(f"{path.name}\t{score:.6f}")
+    values = torch.tensor(scores)
+    finite = torch.isfinite(values)
+    print(f"mean\t{values[finite].mean().item():.6f}\t({len(scores)} images"
+          + (f", {int((~finite).sum())} non-finite left out)" if not finite.all() else ")"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m grpo.rewards", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--list", action="store_true", help="list the registered rewards and their options")
+    sub = parser.add_subparsers(dest="command")
+    score = sub.add_parser("score", help="score a folder of images")
+    score.add_argument("--reward", required=True, help="registered name or pkg.module:factory")
+    score.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                       help="reward option (YAML value), repeatable")
+    score.add_argument("--images", required=True, help="folder of images")
+    score.add_argument("--prompts", required=True, help="text file: one prompt, or one per image")
+    score.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    score.add_argument("--batch-size", type=int, default=None, dest="batch_size")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        if args.list:
+            _list()
+        elif args.command == "score":
+            _score(args)
+        else:
+            parser.print_help()
+            return 2
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
