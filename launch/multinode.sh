@@ -15,9 +15,11 @@ if [[ $# -lt 2 ]]; then
   echo "usage: bash launch/multinode.sh HOSTFILE|--torchrun CONFIG [key=value ...]" >&2
   exit 2
 fi
+if python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch_npu') is None)"; then
+  source "$root/launch/npu_env.sh"
+fi
 read -r kind count < <(python -c "from grpo.device import local_devices; print(*local_devices())")
-[[ $kind == npu ]] && source "$root/launch/npu_env.sh"
-[[ $kind == cpu ]] && export DS_ACCELERATOR=cpu
+if [[ $kind == cpu ]]; then export DS_ACCELERATOR=cpu; fi
 
 if [[ $1 == --torchrun ]]; then
   shift

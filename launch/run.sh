@@ -17,10 +17,13 @@ shift
 recipe=${RECIPE:-$root/recipes/flux_grpo.py}
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 
+# CANN must be sourced before torch_npu can even be imported, so the NPU environment comes first.
+if python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch_npu') is None)"; then
+  source "$root/launch/npu_env.sh"
+fi
 # Which accelerator: the same detection DeepSpeed uses (torch_npu importable -> NPU, else CUDA, else CPU).
 read -r kind count < <(python -c "from grpo.device import local_devices; print(*local_devices())")
 case $kind in
-  npu) source "$root/launch/npu_env.sh" ;;
   cpu)
     export DS_ACCELERATOR=cpu
     count=2

@@ -47,7 +47,7 @@ from grpo.config import RecipeConfig, derive_layout, dump_config, load_config
 from grpo.data import EVAL_NOISE, INIT_NOISE, initial_noise, prompts_for_step, step_noise_generator, trained_steps
 from grpo.distributed import gather_by_index
 from grpo.errors import ConfigError
-from grpo.flux import decode, load_parts, make_conditioning, pack, resolve_model_path
+from grpo.flux import decode, load_parts, load_transformer, make_conditioning, pack, resolve_model_path
 from grpo.loss import grpo_loss
 from grpo.metrics import MetricsLogger, save_grid
 from grpo.prompts import ensure_cache, load_cache, read_prompt_file
@@ -127,7 +127,7 @@ class FluxGRPORecipe:
         """None when kl_coef = 0; the policy itself with adapters disabled for LoRA; else a sharded frozen copy."""
         if self.cfg.grpo.kl_coef == 0 or self.cfg.lora is not None:
             return None
-        return eng.build_reference(eng.load_transformer(self.model_path, self.dtype), self.ds_config)
+        return eng.build_reference(load_transformer(self.model_path, self.dtype), self.ds_config)
 
     def _log_layout(self) -> None:
         lay = self.layout
