@@ -61,6 +61,13 @@ def test_shipped_pipeline_generates_from_a_prompt(pipe):
     assert 0 <= s.item() <= 1
 
 
+def test_shipped_model_loosely_follows_heldout_prompts(pipe):
+    # The pretrained model must sit between a blank background (~1/3) and ground truth (~1): GRPO needs room.
+    heldout = world.split_prompts()[1]
+    s = build.sample_scores(pipe, heldout, steps=8, seeds=[0])
+    assert 0.45 < s.mean().item() < 0.9
+
+
 def test_text_encoders_tell_prompts_apart(pipe):
     prompts = world.all_prompts()
     with torch.no_grad():

@@ -116,7 +116,8 @@ def test_upside_down_triangle_scores_lower():
 
 def test_blank_noise_and_blur_are_ordered(prompts, images):
     truth = world.score(images, prompts)
-    blank = torch.stack([torch.tensor(world.COLORS[world.parse(p)[2]]).view(3, 1, 1).expand(3, 64, 64) for p in prompts])
+    backgrounds = torch.tensor([world.COLORS[world.parse(p)[2]] for p in prompts])
+    blank = backgrounds.view(-1, 3, 1, 1).expand(-1, 3, 64, 64)
     noise = torch.rand(images.shape, generator=torch.Generator().manual_seed(0))
     blurred = torch.nn.functional.avg_pool2d(images, 5, 1, 2, count_include_pad=False)
     s_blank, s_noise, s_blur = (world.score(x, prompts) for x in (blank, noise, blurred))

@@ -23,7 +23,6 @@ import argparse
 import json
 import logging
 import math
-import os
 import tempfile
 import time
 from collections import Counter
@@ -88,7 +87,8 @@ def build_clip_tokenizer(folder: Path):
     folder.mkdir(parents=True, exist_ok=True)
     vocab_file, merges_file = bpe.model.save(str(folder))  # the two files a CLIP tokenizer is made of
     vocab = json.loads(Path(vocab_file).read_text())
-    merges = [tuple(line.split()) for line in Path(merges_file).read_text().splitlines() if line and not line.startswith("#")]
+    lines = Path(merges_file).read_text().splitlines()
+    merges = [tuple(line.split()) for line in lines if line and not line.startswith("#")]
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
 
 
@@ -122,7 +122,9 @@ def build_t5_tokenizer(folder: Path):
         [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")]
     )
     tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
-    tok.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
+    )
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "tokenizer.json"
     tok.save(str(path))
@@ -236,7 +238,9 @@ def train_vae(vae, steps: int, batch: int, lr: float, kl_weight: float, generato
     """
     prompts = world.all_prompts()
     opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps))
+    )
     vae.train()
     start = time.perf_counter()
     for step in range(steps):
@@ -254,7 +258,10 @@ def train_vae(vae, steps: int, batch: int, lr: float, kl_weight: float, generato
         opt.step()
         sched.step()
         if step % _log_every(steps) == 0 or step == steps - 1:
-            logger.info("vae step %d/%d rec %.4f kl %.3f (%.1f s)", step + 1, steps, rec.item(), kl.item(), time.perf_counter() - start)
+            logger.info(
+                "vae step %d/%d rec %.4f kl %.3f (%.1f s)",
+                step + 1, steps, rec.item(), kl.item(), time.perf_counter() - start,
+            )
     vae.eval()
 
 
@@ -306,7 +313,9 @@ def train_transformer(
     pool_prompts = [p for p in prompts for _ in range(images_per_prompt)]
     pool_index = torch.arange(len(prompts)).repeat_interleave(images_per_prompt)
     latents = encode_latents(pipe, world.render(pool_prompts, RESOLUTION, generator))
-    logger.info("latent pool %s, std %.3f, mean %.3f", tuple(latents.shape), latents.std().item(), latents.mean().item())
+    logger.info(
+        "latent pool %s, std %.3f, mean %.3f", tuple(latents.shape), latents.std().item(), latents.mean().item()
+    )
     h = w = RESOLUTION // pipe.vae_scale_factor
     img_ids = pipe._prepare_latent_image_ids(1, h // 2, w // 2, torch.device("cpu"), torch.float32)
 
@@ -346,7 +355,9 @@ def train_transformer(
         sched.step()
         running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
         if step % _log_every(steps) == 0 or step == steps - 1:
-            logger.info("transformer step %d/%d loss %.4f (%.1f s)", step + 1, steps, running, time.perf_counter() - start)
+            logger.info(
+                "transformer step %d/%d loss %.4f (%.1f s)", step + 1, steps, running, time.perf_counter() - start
+            )
     transformer.eval()
 
 
@@ -379,8 +390,8 @@ def sample_scores(pipe, prompts: list[str], steps: int, seeds: list[int]) -> tor
 
 def build(
     out: Path,
-    vae_steps: int = 1500,
-    transformer_steps: int = 2000,
+    vae_steps: int = 300,
+    transformer_steps: int = 400,
     seed: int = 0,
     vae_batch: int = 16,
     transformer_batch: int = 32,
@@ -433,8 +444,8 @@ def build(
             transformer=transformer,
         )
         pipe.set_progress_bar_config(disable=True)
-        n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in
-                    dict(transformer=transformer, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2).items()}
+        parts = dict(transformer=transformer, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2)
+        n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in parts.items()}
         logger.info("parameters %s", n_params)
     t = mark("models", t)
     with _phase("vae"):
@@ -446,7 +457,9 @@ def build(
     t = mark("vae", t)
     with _phase("transformer"):
         if transformer_steps > 0:
-            train_transformer(pipe, transformer_steps, transformer_batch, transformer_lr, shift, images_per_prompt, generator)
+            train_transformer(
+                pipe, transformer_steps, transformer_batch, transformer_lr, shift, images_per_prompt, generator
+            )
         transformer.requires_grad_(False)
     t = mark("transformer", t)
     with _phase("save"):
@@ -485,8 +498,8 @@ def build(
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="output folder (diffusers FluxPipeline layout)")
-    p.add_argument("--vae-steps", type=int, default=1500)
-    p.add_argument("--transformer-steps", type=int, default=2000)
+    p.add_argument("--vae-steps", type=int, default=300)
+    p.add_argument("--transformer-steps", type=int, default=400)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vae-batch", type=int, default=16)
     p.add_argument("--transformer-batch", type=int, default=32)
@@ -498,7 +511,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--single-layers", type=int, default=4, help="single-stream blocks")
     p.add_argument("--eval-steps", type=int, default=12)
     p.add_argument("--eval-seeds", type=int, default=2, help="0 skips the held-out evaluation")
-    p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch CPU threads")
+    # One thread by default: on a shared 2-core machine two OpenMP threads per process ran ~8x slower per step.
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (results depend on it bit-wise)")
     args = p.parse_args(argv)
     for name in ("vae_steps", "transformer_steps", "eval_seeds", "eval_steps"):
         if getattr(args, name) < 0:
