@@ -26,7 +26,12 @@ class ModelConfig:
     revision: str | None = None
     dtype: str = "fp32"  # frozen parts (VAE) and rollout activations; the policy follows the DeepSpeed precision
     attention_backend: str = "native"  # diffusers attention backend: native (SDPA), _native_npu, flash, ...
-    gradient_checkpointing: bool = False  # recompute activations of every transformer block in the update
+    # Recompute activations in the update: true = every transformer block, k (int) = every k-th block, false = none.
+    gradient_checkpointing: bool | int = False
+    # Build the transformer inside deepspeed.zero.Init and fill it from the safetensors shards (grpo/loading.py): a
+    # node holds ~one host copy instead of one per process. false = from_pretrained on every process.
+    zero_init: bool = True
+    offload_vae: bool = False  # keep the VAE on the CPU except while decoding (saves its weights on the device)
 
 
 @dataclass
@@ -97,7 +102,46 @@ class DeepSpeedConfig:
 @dataclass
 class LoggingConfig:
     sample_every: int = 10  # write a grid of rollout images every N steps (0 = never)
+    eval_every: int = 10  # held-out eval (eta = 0, fixed noise) every N steps; always before step 0 and after the last
     tensorboard: bool = True
+    wandb: bool = False  # also log to Weights & Biases (needs `pip install wandb`; project from WANDB_PROJECT)
+    progress: bool = True  # tqdm bars on rank 0 for the rollout and update phases
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 10  # resumable checkpoint (model, optimizer, scheduler, RNG, EMA) every N steps and after the last
+    keep: int = 2  # newest complete checkpoints kept; older ones are deleted once a newer one is complete
+    # null: a new run (output_dir must be absent or empty); auto: continue from the newest valid checkpoint under
+    # output_dir/checkpoints (a fresh start when there is none); or the path of one checkpoint folder (or run folder)
+    resume: str | None = None
+
+
+@dataclass
+class EMAConfig:
+    decay: float | None = None  # e.g. 0.99; null = no EMA. Eval, the final export and grpo.export use the EMA weights
+
+
+@dataclass
+class FaultsConfig:
+    # GRPO steps in a row whose update was skipped (non-finite reward, loss or gradient) before the run saves a
+    # checkpoint and stops with an error
+    max_consecutive_skips: int = 3
+    # A collective that waits longer than this (a dead or hung rank) fails the run instead of hanging; must exceed
+    # the longest stretch one rank works alone (eval grids, checkpoint hashing)
+    comm_timeout_s: float = 1800.0
+
+
+@dataclass
+class ProfileConfig:
+    # GRPO steps traced with torch.profiler (torch_npu.profiler on NPU) into output_dir/<dir>/; [] = off.
+    # Pick steps after the first (warm-up), e.g. [2, 3]. See grpo/profiling.py for the files written.
+    steps: list[int] = field(default_factory=list)
+    dir: str = "profile"
+    ranks: list[int] | None = field(default_factory=lambda: [0])  # ranks that trace; null = every rank
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False  # Python call stacks: much larger traces
 
 
 @dataclass
@@ -116,6 +160,10 @@ class RecipeConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -400,5 +448,37 @@ def validate(cfg: RecipeConfig) -> None:
         raise ConfigError("rewards: empty; give at least one {name: weight}, e.g. {tiny_world: 1.0}")
     if cfg.data.max_sequence_length < 1:
         raise ConfigError("data.max_sequence_length: must be >= 1 (FLUX.1-dev uses 512)")
+    gc = cfg.model.gradient_checkpointing
+    if not isinstance(gc, bool) and gc < 0:
+        raise ConfigError(f"model.gradient_checkpointing: {gc}; use true (all blocks), false, or k >= 1 (every k-th)")
     if cfg.model.dtype not in ("fp32", "bf16", "fp16"):
         raise ConfigError(f"model.dtype: {cfg.model.dtype!r}; use fp32, bf16 or fp16")
+    _validate_run_control(cfg)
+    _validate_profile(cfg)
+
+
+def _validate_profile(cfg: RecipeConfig) -> None:
+    """Profiled steps must be steps the run reaches."""
+    bad = [s for s in cfg.profile.steps if not 0 <= s < cfg.max_steps]
+    if bad:
+        raise ConfigError(f"profile.steps: {bad[0]} is not a step of this run (0..{cfg.max_steps - 1}); "
+                          "choose steps after the first, e.g. [2, 3]")
+    if not cfg.profile.dir.strip():
+        raise ConfigError("profile.dir: empty; give a folder name under output_dir, e.g. profile")
+
+
+def _validate_run_control(cfg: RecipeConfig) -> None:
+    """Logging, checkpoint, EMA and fault settings."""
+    for key, value in (("logging.sample_every", cfg.logging.sample_every),
+                       ("logging.eval_every", cfg.logging.eval_every), ("checkpoint.every", cfg.checkpoint.every)):
+        if value < 0:
+            raise ConfigError(f"{key}: {value} is negative; use a number of steps (0 = never)")
+    if cfg.checkpoint.keep < 1:
+        raise ConfigError(f"checkpoint.keep: {cfg.checkpoint.keep}; keep at least 1 checkpoint")
+    if cfg.checkpoint.resume is not None and not cfg.checkpoint.resume.strip():
+        raise ConfigError("checkpoint.resume: empty; use null (new run), auto, or a checkpoint folder")
+    if cfg.ema.decay is not None and not 0 < cfg.ema.decay < 1:
+        raise ConfigError(f"ema.decay: {cfg.ema.decay} must be in (0, 1), e.g. 0.99; or null for no EMA")
+    if cfg.faults.max_consecutive_skips < 1:
+        raise ConfigError(f"faults.max_consecutive_skips: {cfg.faults.max_consecutive_skips}; use at least 1")
+    _positive(cfg.faults.comm_timeout_s, "faults.comm_timeout_s", "e.g. 1800 (seconds)")

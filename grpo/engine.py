@@ -20,6 +20,7 @@ from peft import LoraConfig as PeftLoraConfig
 
 from grpo.config import Layout, RecipeConfig
 from grpo.errors import ConfigError
+from grpo.flux import enable_checkpointing
 
 _FILLED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping")
 
@@ -81,8 +82,7 @@ def build_policy(transformer: torch.nn.Module, cfg: RecipeConfig, ds: dict):
         add_lora(transformer, cfg)
     else:
         transformer.requires_grad_(True)
-    if cfg.model.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
+    enable_checkpointing(transformer, cfg.model.gradient_checkpointing)
     params = [p for p in transformer.parameters() if p.requires_grad]
     if not params:
         raise ConfigError("lora.target_modules: matched no module of the transformer; check the module names")

@@ -63,15 +63,50 @@ def load_transformer(path: str, dtype: torch.dtype = torch.float32) -> FluxTrans
     return FluxTransformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
 
 
-def load_parts(path: str, vae_dtype: torch.dtype = torch.float32,
-               transformer_dtype: torch.dtype = torch.float32) -> FluxParts:
-    """Load the transformer (to be handed to DeepSpeed), the frozen VAE and the scheduler config."""
-    transformer = load_transformer(path, transformer_dtype)
+def load_parts(path: str, vae_dtype: torch.dtype = torch.float32, transformer_dtype: torch.dtype = torch.float32,
+               transformer_loader=load_transformer) -> FluxParts:
+    """Load the transformer (to be handed to DeepSpeed), the frozen VAE and the scheduler config.
+
+    `transformer_loader(path, dtype)`: from_pretrained by default; grpo.loading.transformer_loader gives the sharded
+    (zero.Init) one.
+    """
+    transformer = transformer_loader(path, transformer_dtype)
     vae = AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=vae_dtype)
     vae.requires_grad_(False).eval()
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
     vsf = 2 ** (len(vae.config.block_out_channels) - 1)
     return FluxParts(transformer, vae, dict(scheduler.config), vsf)
+
+
+def checkpointed_blocks(transformer: torch.nn.Module, every: bool | int) -> list[torch.nn.Module]:
+    """The transformer blocks whose activations are recomputed: all (True or 1), every k-th (k), none (False/0).
+
+    Blocks are counted double blocks first, then single blocks, and block 0 is always among them (k >= 1).
+    """
+    k = int(every)
+    blocks = [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+    return [b for i, b in enumerate(blocks) if k > 0 and i % k == 0]
+
+
+def enable_checkpointing(transformer: torch.nn.Module, every: bool | int) -> None:
+    """Activation checkpointing of the update's forward for all blocks (True) or every k-th block (k).
+
+    diffusers calls `_gradient_checkpointing_func(block, *args)` for every block when checkpointing is on; ours
+    recomputes the chosen blocks with torch's non-reentrant checkpoint (diffusers' default) and runs the others
+    plainly, so k trades memory (~1/k of the blocks' activations kept) for recompute (~1/k of a forward).
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    chosen = {id(b) for b in checkpointed_blocks(transformer, every)}
+    if not chosen:
+        return
+
+    def checkpoint_some(block: torch.nn.Module, *args):
+        if id(block) in chosen:
+            return checkpoint(block.__call__, *args, use_reentrant=False)
+        return block(*args)
+
+    transformer.enable_gradient_checkpointing(checkpoint_some)
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:
@@ -146,5 +181,12 @@ def decode(vae: AutoencoderKL, packed: torch.Tensor, resolution: int, vae_scale_
     """Packed latents -> images [B, 3, H, W] in [0, 1], exactly as FluxPipeline(output_type="pt") decodes."""
     latents = unpack(packed, resolution, vae_scale_factor)
     latents = latents / vae.config.scaling_factor + vae.config.shift_factor
-    image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+    home = next(vae.parameters()).device
+    if home != packed.device:  # an offloaded VAE (model.offload_vae) visits the device for this call only
+        vae.to(packed.device)
+    try:
+        image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+    finally:
+        if home != packed.device:
+            vae.to(home)
     return _POSTPROCESS.postprocess(image, output_type="pt").float()

@@ -1,41 +1,155 @@
-"""Rank-0 metric logging (metrics.jsonl + TensorBoard) and image grids."""
+"""Rank-0 metric logging (metrics.jsonl, TensorBoard, optional wandb), the reward curve, image grids, progress bars.
+
+Rows of metrics.jsonl: one per training step (`step` = the step index) and one per held-out eval (`step` = the
+number of completed steps; only `eval/...` keys). On resume from a checkpoint after k completed steps, training rows
+with step >= k and eval rows with step > k are dropped (they belong to the lost part of the run) and TensorBoard
+purges the same range, so a resumed run's logs read as if it had never stopped.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
+from grpo.errors import ConfigError
+
+CURVE = "reward_curve.png"
+
+
+def _is_eval_row(row: dict) -> bool:
+    return all(k == "step" or k.startswith("eval/") for k in row)
+
+
+def _kept(row: dict, resume_step: int) -> bool:
+    return row["step"] <= resume_step if _is_eval_row(row) else row["step"] < resume_step
+
+
+def check_wandb(enabled: bool) -> None:
+    """Fail at start-up (ConfigError) when wandb logging is asked for but wandb is not installed."""
+    if enabled and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb: true but wandb is not installed; `pip install wandb`, or set it to false")
+
 
 class MetricsLogger:
-    """Appends one JSON object per step to metrics.jsonl and mirrors scalars to TensorBoard; no-op off rank 0."""
+    """Appends one JSON object per step to metrics.jsonl, mirrors scalars to TensorBoard (and wandb), and redraws
+    output_dir/reward_curve.png; no-op off rank 0.
 
-    def __init__(self, output_dir: str | Path, enabled: bool, tensorboard: bool = True):
+    Args:
+        output_dir: the run folder.
+        enabled: True on rank 0.
+        tensorboard: also write TensorBoard events under output_dir/tensorboard.
+        resume_step: completed steps of the checkpoint the run resumes from (None: a fresh run).
+        wandb: also log to Weights & Biases (project from WANDB_PROJECT, run name = output_dir's name).
+        config: the resolved config, recorded by wandb.
+    """
+
+    def __init__(self, output_dir: str | Path, enabled: bool, tensorboard: bool = True, resume_step: int | None = None,
+                 wandb: bool = False, config: dict | None = None):
         self.enabled = enabled
-        self.path = Path(output_dir) / "metrics.jsonl"
+        self.out = Path(output_dir)
+        self.path = self.out / "metrics.jsonl"
         self.writer = None
-        if enabled and tensorboard:
+        self.wandb = None
+        self.rows: list[dict] = []
+        if not enabled:
+            return
+        if self.path.exists():
+            rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            self.rows = [r for r in rows if resume_step is not None and _kept(r, resume_step)]
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+            tmp.replace(self.path)
+        if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+            self.writer = SummaryWriter(str(self.out / "tensorboard"), purge_step=resume_step or 0)
+            for row in self.rows:  # purge_step also dropped the eval at the resume step itself
+                if _is_eval_row(row) and row["step"] == resume_step:
+                    self._tensorboard(row)
+        if wandb:
+            import wandb as wb
+
+            # One wandb run per output_dir, so a resumed run continues the same curves.
+            run_id = "grpo-" + hashlib.sha256(str(self.out.resolve()).encode()).hexdigest()[:16]
+            self.wandb = wb.init(name=self.out.name, dir=str(self.out), config=config, resume="allow", id=run_id)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self.rows.append(row)
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        self._tensorboard(row)
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step)
+        plot_reward_curve(self.rows, self.out / CURVE)
+
+    def _tensorboard(self, row: dict) -> None:
         if self.writer is not None:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                    self.writer.add_scalar(k, v, step)
+                    self.writer.add_scalar(k, v, row["step"])
             self.writer.flush()
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def plot_reward_curve(rows: list[dict], path: str | Path) -> None:
+    """Training reward (mean ± std band) per step and held-out eval reward, as one PNG (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def finite(v) -> bool:
+        return isinstance(v, (int, float)) and math.isfinite(v)
+
+    train = [r for r in rows if finite(r.get("reward_mean"))]
+    evals = [r for r in rows if finite(r.get("eval/reward_mean"))]
+    if not train and not evals:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
+    if train:
+        x = [r["step"] for r in train]
+        y = [r["reward_mean"] for r in train]
+        ax.plot(x, y, label="train reward (rollouts)", color="tab:blue")
+        sd = [r.get("reward_std") if finite(r.get("reward_std")) else 0.0 for r in train]
+        ax.fill_between(x, [a - b for a, b in zip(y, sd)], [a + b for a, b in zip(y, sd)], color="tab:blue",
+                        alpha=0.15, linewidth=0)
+    if evals:
+        # An eval row's step counts completed steps: it scores the weights after step index step - 1.
+        ax.plot([r["step"] - 0.5 for r in evals], [r["eval/reward_mean"] for r in evals], "o-", color="tab:orange",
+                label="held-out reward (eta = 0)")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def progress(items: Iterable, desc: str, enabled: bool, total: int | None = None):
+    """A tqdm bar over `items` on rank 0 (`enabled`), the plain iterable elsewhere."""
+    if not enabled:
+        return items
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=desc, total=total, leave=False, dynamic_ncols=True)
 
 
 def _plain(v):

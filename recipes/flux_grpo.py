@@ -6,7 +6,8 @@ One step reads top to bottom as the algorithm:
     advantage  rewards are gathered with their global sample index and normalised within each prompt's group
     reference  (kl_coef > 0) SDE means of the reference policy for the transitions to be trained
     update     PPO-clip loss on a random share of each trajectory's transitions, accumulated, then an optimizer step
-    log/save   metrics.jsonl, TensorBoard, sample grids, and finally a LoRA or a full transformer export
+    log/save   health line, metrics.jsonl, TensorBoard, reward curve, sample grids, held-out eval every N steps,
+               a resumable checkpoint every N steps, and finally a LoRA or a full transformer export
 
 Features and the settings that control them (see grpo/config.py for every key):
     full fine-tune or LoRA ........ lora: null | {rank, alpha, target_modules}
@@ -17,21 +18,32 @@ Features and the settings that control them (see grpo/config.py for every key):
     sampler ....................... sampling.{num_steps, eta, sde: dance|flow, shift, guidance, init_same_noise}
     batch ......................... batch.{prompts_per_step (global), micro_batch_size, updates_per_step},
                                     sampling.group_size (global); per-rank values derived from the world size
+    checkpoints and resume ........ checkpoint.{every, keep, resume: null|auto|PATH} (grpo/checkpoint.py);
+                                    python -m grpo.export CHECKPOINT OUT; python -m grpo.eval CONFIG checkpoint=...
+    EMA of the trained weights .... ema.decay (null = off); used by eval and exports
+    faults ........................ faults.{max_consecutive_skips, comm_timeout_s}; SIGTERM/SIGINT: finish the
+                                    step, save, exit 0 (grpo/health.py)
+    logging ....................... logging.{sample_every, eval_every, tensorboard, wandb, progress}
 
 Seeds: prompts, initial noise, SDE noise and trained timesteps are pure functions of (seed, step, global sample index)
-(grpo/data.py), so a preset gives the same run on 1 or N processes. Torch's global generators are seeded with
+(grpo/data.py), so a preset gives the same run on 1 or N processes, and a resumed run continues exactly. Torch's global generators are seeded with
 seed + rank for anything else (e.g. LoRA init is broadcast from rank 0 by ZeRO-3, so it does not depend on it).
 
 Launch:
     bash launch/run.sh recipes/configs/tiny/grpo_lora.yaml [key=value ...]          # all local devices, or 2 CPU procs
     torchrun --nproc_per_node 8 recipes/flux_grpo.py --config CONFIG [key=value ...]
     bash launch/multinode.sh HOSTFILE CONFIG [key=value ...]
+    ... checkpoint.resume=auto                     # after a preemption or crash: continue from the last checkpoint
+Exit codes: 0 done (or stopped by SIGTERM/SIGINT after saving), 2 bad input (one line on stderr, nothing written),
+3 too many skipped updates in a row (a checkpoint was saved), 1 anything else (e.g. a dead rank).
 Copy and edit: cp recipes/flux_grpo.py my_recipe.py, then `bash launch/run.sh CONFIG` with RECIPE=my_recipe.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import logging
 import sys
 import time
@@ -40,20 +52,26 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from grpo import checkpoint as ckpt
 from grpo import device as dev
 from grpo import engine as eng
+from grpo import eval as evals
+from grpo import export, health
 from grpo.advantages import group_advantages
-from grpo.config import RecipeConfig, derive_layout, dump_config, load_config
-from grpo.data import EVAL_NOISE, INIT_NOISE, initial_noise, prompts_for_step, step_noise_generator, trained_steps
+from grpo.config import RecipeConfig, derive_layout, dump_config, load_config, to_dict, validate
+from grpo.data import INIT_NOISE, prompts_for_step, step_noise_generator, trained_steps
 from grpo.distributed import gather_by_index
+from grpo.ema import ShardedEMA
 from grpo.errors import ConfigError
-from grpo.flux import decode, load_parts, load_transformer, make_conditioning, pack, resolve_model_path
+from grpo.flux import decode, load_parts, resolve_model_path
+from grpo.loading import transformer_loader
 from grpo.loss import grpo_loss
-from grpo.metrics import MetricsLogger, save_grid
+from grpo.metrics import MetricsLogger, check_wandb, progress, save_grid
+from grpo.profiling import StepProfiler
 from grpo.prompts import ensure_cache, load_cache, read_prompt_file
 from grpo.rewards import build_rewards, check_rewards, finite_check, mix
 from grpo.rollout import SDEParams, Trajectories, sample, transition
-from grpo.sde import dynamic_sigmas, kl_same_std, shifted_sigmas
+from grpo.sde import kl_same_std
 
 log = logging.getLogger("flux_grpo")
 
@@ -62,7 +80,8 @@ class FluxGRPORecipe:
     def __init__(self, cfg: RecipeConfig):
         """Checks everything that can be checked without loading a model, then joins the process group."""
         self.cfg = cfg
-        self.dist = dev.init_distributed()
+        validate(cfg)  # single-field checks first: nothing else runs on a bad value
+        self.dist = dev.init_distributed(cfg.faults.comm_timeout_s)
         self.rank, self.world = self.dist.rank, self.dist.world_size
         self.device = self.dist.device
         self.layout = derive_layout(cfg, self.world)
@@ -75,8 +94,9 @@ class FluxGRPORecipe:
         self.dtype = eng.precision(self.ds_config)
         dev.check_dtype_supported(self.dtype, "deepspeed.config precision")
         self.out = Path(cfg.output_dir)
-        if (self.out / "metrics.jsonl").exists():
-            raise ConfigError(f"output_dir: {self.out} already holds a run; choose a new output_dir or delete it")
+        check_wandb(cfg.logging.wandb)
+        self.resume_from = ckpt.resume_point(cfg, self.world)  # None: fresh start (output_dir must be empty)
+        self.show_progress = self.rank == 0 and cfg.logging.progress
         dev.seed_everything(cfg.seed + self.rank)
         self.sde = SDEParams(cfg.sampling.eta, cfg.sampling.sde)
 
@@ -88,8 +108,11 @@ class FluxGRPORecipe:
             dump_config(cfg, self.out / "config.yaml")
             self._log_layout()
         self._setup_data()
-        parts = load_parts(self.model_path, vae_dtype=dev.resolve_dtype(cfg.model.dtype), transformer_dtype=self.dtype)
-        self.vae = parts.vae.to(self.device)
+        # model.zero_init: built inside zero.Init and filled from the safetensors shards, ~one host copy per node
+        self.load_transformer = transformer_loader(cfg.model.zero_init, self.ds_config)
+        parts = load_parts(self.model_path, vae_dtype=dev.resolve_dtype(cfg.model.dtype), transformer_dtype=self.dtype,
+                           transformer_loader=self.load_transformer)
+        self.vae = parts.vae if cfg.model.offload_vae else parts.vae.to(self.device)  # decode() visits the device
         self.vae_scale_factor = parts.vae_scale_factor
         self.latent_size = parts.latent_size(cfg.sampling.resolution)
         self.guidance_embeds = parts.transformer.config.guidance_embeds
@@ -99,7 +122,8 @@ class FluxGRPORecipe:
         self.rewards = build_rewards(cfg.rewards, self.device)
         self.engine, self.scheduler = eng.build_policy(parts.transformer, cfg, self.ds_config)
         self.reference = self._setup_reference()
-        self.metrics = MetricsLogger(self.out, self.rank == 0, cfg.logging.tensorboard)
+        self._setup_run_state()  # image sampler, EMA, checkpoint resume, metrics
+        self.profiler = StepProfiler.from_config(cfg, self.out, self.rank, self.device)  # profile.steps; no-op if []
 
     def _setup_data(self) -> None:
         """Rank 0 encodes missing prompt caches (text encoders freed right after); every rank then reads them."""
@@ -118,16 +142,31 @@ class FluxGRPORecipe:
         self.eval_prompts = load_cache(paths["eval"]) if "eval" in paths else None
 
     def _sigmas(self, scheduler_config: dict) -> torch.Tensor:
-        s = self.cfg.sampling
-        if s.shift == "dynamic":
-            return dynamic_sigmas(s.num_steps, (self.latent_size // 2) ** 2, scheduler_config)
-        return shifted_sigmas(s.num_steps, float(s.shift))
+        return evals.schedule(self.cfg.sampling, self.latent_size, scheduler_config)
+
+    def _setup_run_state(self) -> None:
+        """Held-out sampler, EMA, the checkpoint to resume from (weights, optimizer, RNG, counters), metrics."""
+        cfg = self.cfg
+        self.sampler = evals.ImageSampler(self.vae, self.vae_scale_factor, self.latent_size, self.latent_channels,
+                                          self.guidance_embeds, self.sigmas, cfg, self.device, self.dtype)
+        self.ema = ShardedEMA(self.engine, cfg.ema.decay) if cfg.ema.decay else None
+        self.checkpoints = ckpt.Checkpointer(cfg, self.rank, self.world)
+        self.state = ckpt.RunState(step=0)
+        if self.resume_from is not None:
+            self.state = self.checkpoints.load(self.resume_from, self.engine, self.ema)
+            if self.rank == 0:
+                log.info("resumed from %s: continuing at step %d", self.resume_from, self.state.step)
+        self.skips = health.SkipCounter(cfg.faults.max_consecutive_skips, self.state.consecutive_skips,
+                                        self.state.total_skips)
+        self.metrics = MetricsLogger(self.out, self.rank == 0, cfg.logging.tensorboard,
+                                     resume_step=self.state.step if self.resume_from is not None else None,
+                                     wandb=cfg.logging.wandb, config=to_dict(cfg))
 
     def _setup_reference(self):
         """None when kl_coef = 0; the policy itself with adapters disabled for LoRA; else a sharded frozen copy."""
         if self.cfg.grpo.kl_coef == 0 or self.cfg.lora is not None:
             return None
-        return eng.build_reference(load_transformer(self.model_path, self.dtype), self.ds_config)
+        return eng.build_reference(self.load_transformer(self.model_path, self.dtype), self.ds_config)
 
     def _log_layout(self) -> None:
         lay = self.layout
@@ -141,34 +180,71 @@ class FluxGRPORecipe:
 
     # ------------------------------------------------------------------------------------------------ train
     def train(self) -> None:
+        """Run steps state.step .. max_steps-1; SIGTERM/SIGINT: finish the step, save, return (exit 0)."""
         cfg = self.cfg
-        self.evaluate(step=0)
-        for step in range(cfg.max_steps):
-            clock = [time.perf_counter()]
-            batch = self.rollout(step)
-            clock.append(time.perf_counter())
-            rewards, reward_stats = self.score(batch)
-            advantages, adv_stats = self.advantages(rewards)
-            clock.append(time.perf_counter())
-            reference = self.reference_means(batch) if cfg.grpo.kl_coef > 0 else None
-            if torch.isfinite(rewards).all():
-                update_stats = self.update(step, batch, advantages, reference)
-            else:  # a NaN reward would poison every advantage of the step: skip the update, keep the count
-                update_stats = {"skipped_updates": 1.0}
-            clock.append(time.perf_counter())
-            elapsed = clock[-1] - clock[0]
-            timings = {"time/rollout_s": clock[1] - clock[0], "time/reward_s": clock[2] - clock[1],
-                       "time/update_s": clock[3] - clock[2], "step_time_s": elapsed,
-                       "samples_per_s": self.layout.samples_per_step / elapsed}
-            self.metrics.log(step, {**reward_stats, **adv_stats, **update_stats, **timings})
-            if self.rank == 0:
-                log.info("step %d | reward %.4f | loss %.3e | ratio_max_dev %.2e | %.1fs", step,
-                         reward_stats["reward_mean"], update_stats.get("loss", float("nan")),
-                         update_stats.get("ratio_max_dev", float("nan")), elapsed)
-            if cfg.logging.sample_every and step % cfg.logging.sample_every == 0 and self.rank == 0:
-                save_grid(batch["images"], self.out / "samples" / f"step_{step:05d}.png", cfg.sampling.group_size)
-        self.evaluate(step=cfg.max_steps)
+        if self.state.step == 0:
+            self.evaluate(step=0)
+        stop = health.StopSignal()
+        stop.install()
+        try:
+            for step in range(self.state.step, cfg.max_steps):
+                if step > self.state.step and stop.agreed(self.device):  # signalled during the last eval or save
+                    if not self.checkpoints.due(step):
+                        self.save_checkpoint(step)
+                    return self._stopped(step)
+                self.profiler.start(step)
+                clock = [time.perf_counter()]
+                batch = self.rollout(step)
+                clock.append(time.perf_counter())
+                rewards, reward_stats = self.score(batch, step)
+                advantages, adv_stats = self.advantages(rewards)
+                clock.append(time.perf_counter())
+                reference = self.reference_means(batch) if cfg.grpo.kl_coef > 0 else None
+                if torch.isfinite(rewards).all():
+                    update_stats = self.update(step, batch, advantages, reference)
+                else:  # a NaN reward would poison every advantage of the step: skip the update, keep the count
+                    update_stats = {"skipped_updates": float(self.layout.updates_per_step)}
+                if self.ema is not None and update_stats["skipped_updates"] < self.layout.updates_per_step:
+                    self.ema.update()
+                clock.append(time.perf_counter())
+                elapsed = clock[-1] - clock[0]
+                timings = {"time/rollout_s": clock[1] - clock[0], "time/reward_s": clock[2] - clock[1],
+                           "time/update_s": clock[3] - clock[2], "step_time_s": elapsed,
+                           "samples_per_s": self.layout.samples_per_step / elapsed}
+                too_many_skips = self.skips.record(update_stats["skipped_updates"] > 0)
+                stats = {**reward_stats, **adv_stats, **update_stats, **timings, "skipped_total": self.skips.total}
+                self.metrics.log(step, stats)
+                self.profiler.stop()
+                if self.rank == 0:
+                    log.info(health.health_line(step, stats))
+                if cfg.logging.sample_every and step % cfg.logging.sample_every == 0 and self.rank == 0:
+                    save_grid(batch["images"], self.out / "samples" / f"step_{step:05d}.png", cfg.sampling.group_size)
+                if self._after_step(step + 1, stop, too_many_skips):
+                    return self._stopped(step + 1)
+        finally:
+            stop.uninstall()
         self.save_final()
+
+    def _after_step(self, done: int, stop: health.StopSignal, too_many_skips: bool) -> bool:
+        """Held-out eval and checkpoint when due; True when a stop signal arrived (the checkpoint is then written)."""
+        every = self.cfg.logging.eval_every
+        stopping = stop.agreed(self.device)  # collective: every rank stops after the same step
+        if not stopping and (done == self.cfg.max_steps or (every and done % every == 0)):
+            self.evaluate(step=done)
+        if self.checkpoints.due(done) or stopping or too_many_skips:
+            self.save_checkpoint(done)
+        if too_many_skips:
+            raise health.TooManySkips(
+                f"faults.max_consecutive_skips: {self.skips.consecutive} steps in a row skipped their update "
+                f"(non-finite reward, loss or gradient: see nonfinite/* in {self.out / 'metrics.jsonl'}); "
+                "a checkpoint was saved; fix the cause, then rerun with checkpoint.resume=auto"
+            )
+        return stopping
+
+    def _stopped(self, done: int) -> None:
+        if self.rank == 0:
+            log.info("stopped by signal after %d steps; resume with checkpoint.resume=auto", done)
+        self.metrics.close()
 
     # ---------------------------------------------------------------------------------------------- rollout
     def _chunks(self, ids: list[int]) -> list[list[int]]:
@@ -176,13 +252,10 @@ class FluxGRPORecipe:
         return [ids[i : i + m] for i in range(0, len(ids), m)]
 
     def _conditioning(self, cache, prompt_idx: list[int]):
-        return make_conditioning(cache.prompt_embeds[prompt_idx], cache.pooled[prompt_idx], self.latent_size,
-                                 self.cfg.sampling.guidance, self.guidance_embeds, self.device, self.dtype)
+        return self.sampler.conditioning(cache, prompt_idx)
 
     def _initial_latents(self, step: int, keys: list[int], stream: int = INIT_NOISE) -> torch.Tensor:
-        shape = (self.latent_channels, self.latent_size, self.latent_size)
-        noise = torch.stack([initial_noise(shape, self.cfg.seed, step, k, stream) for k in keys])
-        return pack(noise).to(self.device)
+        return self.sampler.initial_latents(step, keys, stream)
 
     @torch.no_grad()
     def rollout(self, step: int) -> dict:
@@ -192,7 +265,7 @@ class FluxGRPORecipe:
         ids = self.layout.rank_sample_ids(self.rank)
         chunks = []
         with eng.inference_module(self.engine, cfg.deepspeed.gather_for_rollout) as model:
-            for chunk in self._chunks(ids):
+            for chunk in progress(self._chunks(ids), f"rollout {step}", self.show_progress):
                 prompt_idx = [prompt_of_slot[s // g] for s in chunk]
                 noise_keys = [s // g for s in chunk] if cfg.sampling.init_same_noise else chunk
                 cond = self._conditioning(self.train_prompts, prompt_idx)
@@ -206,7 +279,7 @@ class FluxGRPORecipe:
 
     # ----------------------------------------------------------------------------------------------- reward
     @torch.no_grad()
-    def score(self, batch: dict) -> tuple[torch.Tensor, dict]:
+    def score(self, batch: dict, step: int = -1) -> tuple[torch.Tensor, dict]:
         """Score own images, gather the per-reward scores with their global index, mix them. Returns [N] rewards."""
         local, ids = [], []
         with self.rewards.on_device():
@@ -214,7 +287,7 @@ class FluxGRPORecipe:
                 prompts = [self.train_prompts.prompts[i] for i in c["prompt_idx"]]
                 local.append(self.rewards(c["images"], prompts).float())
                 ids.extend(c["ids"])
-        local = torch.cat(local)
+        local = health.inject("nan_reward", step, self.rank, torch.cat(local))  # a no-op outside fault tests
         nonfinite = finite_check(local, self.rewards.names)
         components = gather_by_index(local, torch.tensor(ids, device=local.device), self.layout.samples_per_step)
         groups = torch.arange(self.layout.samples_per_step, device=components.device) // self.cfg.sampling.group_size
@@ -260,14 +333,19 @@ class FluxGRPORecipe:
         """Accumulate the clipped loss over the trained transitions of each update block, then step."""
         per_update = self.layout.micro_batches_per_update
         sums: dict[str, float] = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "approx_kl": 0.0, "ratio_mean": 0.0}
-        count, max_dev, grad_norms = 0, 0.0, []
-        for n, c in enumerate(batch["chunks"]):
+        count, max_dev, grad_norms, nonfinite = 0, 0.0, [], 0
+        skipped_before = self.engine.skipped_steps
+        for n, c in enumerate(progress(batch["chunks"], f"update {step}", self.show_progress)):
             adv = advantages[torch.tensor(c["ids"], device=advantages.device)]
             for j in c["trained"]:
                 out = transition(self.engine, c["cond"], c["traj"].latents, self.sigmas, j, self.sde)
                 kl = kl_same_std(out.mean, reference[n][j], out.std) if reference is not None else None
                 loss, st = grpo_loss(out.log_prob, c["traj"].log_probs[:, j], adv, clip_range=self.cfg.grpo.clip_range,
                                      kl=kl, kl_coef=self.cfg.grpo.kl_coef)
+                loss = health.inject("nan_loss", step, self.rank, loss)  # a no-op outside fault tests
+                if not torch.isfinite(loss):  # make its gradient non-finite too: ZeRO-3 then sees a non-finite
+                    nonfinite += 1  # global grad norm (all-reduced) and skips this optimizer step on every rank
+                    loss = loss * float("nan")
                 self.engine.backward(loss)
                 self.engine.step()
                 if n < per_update:  # the first update block is exactly on-policy
@@ -277,39 +355,36 @@ class FluxGRPORecipe:
                 count += 1
             if (n + 1) % per_update == 0:
                 grad_norms.append(float(self.engine.get_global_grad_norm() or 0.0))
-        totals = torch.tensor([sums[k] / count for k in sums] + [max_dev], device=self.device)
+        totals = torch.tensor([sums[k] / count for k in sums] + [float(nonfinite), max_dev], device=self.device)
         dist.all_reduce(totals[:-1])
-        totals[:-1] /= self.world
+        totals[:-2] /= self.world
         dist.all_reduce(totals[-1:], op=dist.ReduceOp.MAX)
-        stats = dict(zip(list(sums) + ["ratio_max_dev"], totals.tolist()))
-        stats.update(grad_norm=grad_norms[-1], lr=self.scheduler.get_last_lr()[0])
+        stats = dict(zip(list(sums) + ["nonfinite/loss", "ratio_max_dev"], totals.tolist()))
+        skipped = self.engine.skipped_steps - skipped_before  # identical on all ranks (global grad norm)
+        if stats["nonfinite/loss"] > 0 and skipped == 0:
+            raise RuntimeError("a non-finite loss reached the optimizer and DeepSpeed did not skip the step; "
+                               "use deepspeed>=0.19.3 (ZeRO-3 skips steps with a non-finite gradient norm)")
+        stats.update(grad_norm=grad_norms[-1], lr=self.scheduler.get_last_lr()[0], skipped_updates=float(skipped),
+                     **{"nonfinite/grad": float(skipped if stats["nonfinite/loss"] == 0 else 0)})
         return stats
 
     # --------------------------------------------------------------------------------------------- evaluate
     @torch.no_grad()
     def evaluate(self, step: int) -> float | None:
-        """ODE (eta = 0) samples of the held-out prompts with fixed noise, scored; logs eval/reward_mean."""
+        """ODE (eta = 0) samples of the held-out prompts with fixed noise, scored; logs eval/reward_mean.
+
+        Shares its sampling and scoring with `python -m grpo.eval` (grpo/eval.py); uses the EMA weights when on.
+        """
         if self.eval_prompts is None:
             return None
         n = len(self.eval_prompts)
         ids = list(range(self.rank, n, self.world))
-        x0 = []
-        with eng.inference_module(self.engine, self.cfg.deepspeed.gather_for_rollout) as model:
-            for chunk in self._chunks(ids):
-                cond = self._conditioning(self.eval_prompts, chunk)
-                x0.append(sample(model, cond, self._initial_latents(0, chunk, EVAL_NOISE), self.sigmas,
-                                 SDEParams(0.0, self.cfg.sampling.sde)).x0)
-        local, seen = [], []
-        with self.rewards.on_device():
-            for chunk, latents in zip(self._chunks(ids), x0):
-                images = decode(self.vae, latents, self.cfg.sampling.resolution, self.vae_scale_factor)
-                local.append(self.rewards(images, [self.eval_prompts.prompts[i] for i in chunk]).float())
-                seen.extend(chunk)
-                if self.rank == 0 and len(seen) == len(chunk):
-                    save_grid(images, self.out / "samples" / f"eval_step_{step:05d}.png", len(chunk))
-        empty = torch.zeros(0, len(self.rewards.names), device=self.device)
-        local = torch.cat(local) if local else empty
-        components = gather_by_index(local, torch.tensor(seen, device=self.device, dtype=torch.long), n)
+        with self._trained_weights(), eng.inference_module(self.engine, self.cfg.deepspeed.gather_for_rollout) as m:
+            x0 = evals.sample_heldout(m, self.sampler, self.eval_prompts, ids)
+        images, local = evals.score_heldout(self.sampler, self.rewards, self.eval_prompts, ids, x0)
+        if self.rank == 0 and ids:  # this rank's share: prompts 0, world, 2*world, ...
+            save_grid(images, self.out / "samples" / f"eval_step_{step:05d}.png", min(len(ids), 8))
+        components = gather_by_index(local, torch.tensor(ids, device=self.device, dtype=torch.long), n)
         total = mix(components, self.rewards.weights.to(components.device), None, False)
         self.metrics.log(step, {"eval/reward_mean": total.mean().item()})
         if self.rank == 0:
@@ -317,12 +392,26 @@ class FluxGRPORecipe:
         return total.mean().item()
 
     # ------------------------------------------------------------------------------------------------- save
+    def _trained_weights(self):
+        """The weights eval and export use: the EMA's while the block runs (when on), else the training ones."""
+        return self.ema.applied() if self.ema is not None else contextlib.nullcontext()
+
+    def save_checkpoint(self, steps_done: int) -> None:
+        """Collective: a resumable checkpoint (grpo/checkpoint.py) after `steps_done` completed steps."""
+        state = ckpt.RunState(steps_done, self.skips.consecutive, self.skips.total)
+        path = self.checkpoints.save(self.engine, state, self.ema)
+        if self.rank == 0:
+            log.info("checkpoint %s", path)
+
     def save_final(self) -> None:
         """Collective: every rank takes part in gathering the shards; rank 0 writes."""
-        if self.cfg.lora is not None:
-            eng.save_lora(self.engine, self.out / "final" / "lora")
-        else:
-            eng.save_full(self.engine, self.out / "final" / "transformer")
+        with self._trained_weights():
+            if self.cfg.lora is not None:
+                state = eng.lora_state_dict(self.engine)  # rank 0 only, else None
+                if state is not None:
+                    export.write_lora(state, dataclasses.asdict(self.cfg.lora), self.out / "final" / "lora")
+            else:
+                eng.save_full(self.engine, self.out / "final" / "transformer")
         dist.barrier()
         self.metrics.close()
 
@@ -340,7 +429,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    recipe.train()
+    try:
+        recipe.train()
+    except health.TooManySkips as e:
+        print(f"error: {e}", file=sys.stderr)
+        return health.EXIT_TOO_MANY_SKIPS
+    except RuntimeError as e:  # a dead or hung rank surfaces here after faults.comm_timeout_s
+        hint = health.comm_failure(e, recipe.cfg.faults.comm_timeout_s)
+        if hint:
+            log.error(hint)
+        raise
     return 0
 
 

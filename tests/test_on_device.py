@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -148,3 +149,65 @@ def test_tiny_recipe_runs(kind: str, tmp_path: Path):
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward_mean"] for r in rows if "reward_mean" in r]
     assert len(rewards) == 2 and all(0.0 <= r <= 1.0 for r in rewards)
+
+
+def _align(args: list[str], tmp_path: Path, timeout: float = 1800) -> str:
+    """Runs `python -m grpo.tools.align ARGS` (each side picks its device with device=...); returns its table."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "DS_ACCELERATOR")}
+    env.update(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+    tiny = ["recipes/configs/tiny/grpo_lora.yaml", "batch.prompts_per_step=2", "sampling.group_size=2",
+            "batch.micro_batch_size=2", "sampling.num_steps=3", "data.eval_prompts=null", "logging.tensorboard=false",
+            f"data.cache_dir={tmp_path}/cache"]
+    proc = subprocess.run([sys.executable, "-m", "grpo.tools.align", *(tiny if args[0] != "--compare" else []),
+                           *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    print(proc.stdout)  # the table: pytest -s shows it
+    return proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not TINY.exists(), reason="assets/tiny-flux not built")
+@pytest.mark.parametrize("kind", KINDS)
+def test_align_device_against_cpu(kind: str, tmp_path: Path):
+    """One GRPO step of the tiny preset on the device against the CPU: fp32 (kernels differ, nothing else), bf16."""
+    _align(["--a", f"device={kind}", "--b", "device=cpu", "--keep", str(tmp_path), "--json",
+            str(tmp_path / "fp32.json")], tmp_path)
+    _align([f"device={kind}", "deepspeed.config=ds_configs/zero3.json", "--dump", str(tmp_path / "bf16.safetensors")],
+           tmp_path)
+    _align(["--compare", str(tmp_path / "bf16.safetensors"), str(tmp_path / "b.safetensors"), "--json",
+            str(tmp_path / "bf16.json")], tmp_path)
+    fp32, bf16 = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("fp32", "bf16"))
+    assert fp32["a"]["device"] == f"{kind}:0" and fp32["b"]["device"] == "cpu"
+
+    def worst(report: dict) -> float:  # over the transformer blocks (bf16 rounds guidance 3.5 to 3.504 before them)
+        return max(e["rel"] for m, by_step in report["blocks"].items() if "transformer_blocks" in m
+                   for e in by_step.values())
+
+    # fp32 on the device: only kernel rounding (and NPU HF32 / CUDA TF32 convolutions in the VAE) differs
+    assert worst(fp32) < 1e-3 and fp32["outputs"]["final latent x_T"]["rel"] < 1e-3
+    assert fp32["reward_mean"]["rel"] < 1e-3 and fp32["images"]["psnr_db"] > 40
+    # bf16 on the device: ~3 significant digits per block, still a usable step
+    assert 0 < worst(bf16) < 0.1 and math.isfinite(bf16["reward_mean"]["rel"]) and bf16["reward_mean"]["rel"] < 0.05
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not TINY.exists(), reason="assets/tiny-flux not built")
+@pytest.mark.parametrize("kind", KINDS)
+def test_profiler_on_device(kind: str, tmp_path: Path):
+    """profile.steps traces step 1 with the device's profiler: torch_npu's *_ascend_pt folder, or CUDA kernels."""
+    out_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(DS_ACCELERATOR=kind, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, "recipes/flux_grpo.py", "--config", "recipes/configs/tiny/grpo_lora.yaml", "max_steps=2",
+         "profile.steps=[1]", f"output_dir={out_dir}", f"data.cache_dir={tmp_path}/cache", "data.eval_prompts=null",
+         "deepspeed.config=ds_configs/zero3.json"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    if kind == "npu":
+        assert list((out_dir / "profile" / "step00001").glob("*_ascend_pt")), list((out_dir / "profile").rglob("*"))
+    else:
+        trace = json.loads((out_dir / "profile" / "step00001_rank0.pt.trace.json").read_text())
+        assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])  # GPU kernels, not only CPU ops

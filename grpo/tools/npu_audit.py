@@ -43,10 +43,8 @@ import inspect
 import logging
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -54,10 +52,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-logger = logging.getLogger(__name__)
+from grpo.tools._recipe import RECIPE_PATH, REPO_ROOT, load_recipe, recipe_session, run_step  # noqa: F401
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-RECIPE_PATH = REPO_ROOT / "recipes" / "flux_grpo.py"
+logger = logging.getLogger(__name__)
 _THIS_FILE = str(Path(__file__).resolve())
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 
@@ -560,27 +557,16 @@ def _diffusers_npu_dtypes() -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------------------------- recipe hook
-def load_recipe(path: str | Path = RECIPE_PATH) -> ModuleType:
-    """Imports the recipe script by path (recipes/ is not a package)."""
-    path = Path(path)
-    spec = importlib.util.spec_from_file_location(f"_audited_recipe_{path.stem}", path)
-    if spec is None or spec.loader is None:
-        raise FileNotFoundError(f"cannot load recipe {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def run_recipe_step(config_path: str, overrides: Sequence[str], auditor: Auditor,
                     recipe_path: str | Path = RECIPE_PATH) -> None:
     """Runs one rollout and one train step of a preset, on the CPU, under ``auditor``.
 
-    The hook between the audit and the recipe (recipes/flux_grpo.py, ``FluxGRPORecipe``): setup (model loading,
-    prompt caches, DeepSpeed engines) runs outside the audit; the rollout, scoring/advantages and the update run
-    inside it, each in its own phase, so syncs are reported for the rollout only. With ``auditor.accelerator_device``
-    set, the recipe's device is that indexed CPU device (``grpo.device.emulate_device_on_cpu``), so the tensors the
-    recipe creates on or moves to its device are tracked as device tensors. The run writes into a temporary
-    output_dir unless the overrides name one.
+    The hook between the audit and the recipe (recipes/flux_grpo.py, ``FluxGRPORecipe``, driven through
+    grpo/tools/_recipe.py): setup (model loading, prompt caches, DeepSpeed engines) runs outside the audit; the
+    rollout, scoring/advantages and the update run inside it, each in its own phase, so syncs are reported for the
+    rollout only. With ``auditor.accelerator_device`` set, the recipe's device is that indexed CPU device
+    (``grpo.device.emulate_device_on_cpu``), so the tensors the recipe creates on or moves to its device are tracked
+    as device tensors. The run writes into a temporary output_dir unless the overrides name one.
 
     Args:
         config_path: YAML preset.
@@ -588,31 +574,16 @@ def run_recipe_step(config_path: str, overrides: Sequence[str], auditor: Auditor
         auditor: The auditor to enter around the audited phases.
         recipe_path: The recipe script.
     """
-    from grpo.config import load_config
     from grpo.device import emulate_device_on_cpu
 
-    recipe_mod = load_recipe(recipe_path)
-    overrides = list(overrides)
     with contextlib.ExitStack() as stack:
         if auditor.accelerator_device is not None:
             stack.enter_context(emulate_device_on_cpu(auditor.accelerator_device.index or 0))
-        if not any(o.split("=", 1)[0] == "output_dir" for o in overrides):
-            overrides.append(f"output_dir={stack.enter_context(tempfile.TemporaryDirectory())}/run")
-        cfg = load_config(config_path, overrides)
-        recipe = recipe_mod.FluxGRPORecipe(cfg)
-        recipe.setup()
+        recipe = stack.enter_context(recipe_session(config_path, overrides, recipe_path))
         auditor.watch(recipe.engine.module, "transformer")
         auditor.watch(recipe.vae, "vae")
         with auditor:
-            with auditor.phase("rollout"):
-                batch = recipe.rollout(0)
-            with auditor.phase("reward"):
-                rewards, _ = recipe.score(batch)
-                advantages, _ = recipe.advantages(rewards)
-            with auditor.phase("train"):
-                reference = recipe.reference_means(batch) if cfg.grpo.kl_coef > 0 else None
-                recipe.update(0, batch, advantages, reference)
-        recipe.metrics.close()
+            run_step(recipe, 0, auditor.phase)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

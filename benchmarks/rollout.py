@@ -1,0 +1,188 @@
+"""Rollout throughput: our SDE sampler (grpo.rollout.sample, which also records every step's latents and log-probs)
+against diffusers' FluxPipeline on the same transformer, VAE, batch, steps and resolution; and sharded rollouts under
+ZeRO-3 on 2 processes: weights gathered once per rollout phase vs layer by layer at every step.
+
+    python benchmarks/rollout.py [--preset small] [--batch 4] [--steps 8] [--resolution 128] [--repeats 3] [--smoke]
+    python benchmarks/rollout.py --skip-zero3        # without the 2-process part
+
+Both samplers start from the same packed noise and prompt embeddings, use the same sigmas (FluxPipeline's dynamic
+shift) and decode with the same VAE; each is timed `--repeats` times, interleaved, best time kept (the machine is
+shared). Images/s with and without decoding are printed; the headline includes decoding on both sides.
+
+Headline: `rollout_vs_diffusers: R` = our images/s over FluxPipeline's (goal R >= 1.0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks._common import ROOT, TINY, build_transformer, sync, torchrun, transformer_config  # noqa: E402
+
+
+def _inputs(tcfg: dict, batch: int, resolution: int, text_tokens: int, device: torch.device, seed: int = 0):
+    """Packed initial noise [B, S, C], prompt embeddings [B, L, D] and pooled [B, Dp] (random: the transformer
+    and the samplers do not care what the text was)."""
+    from grpo.flux import pack
+
+    g = torch.Generator().manual_seed(seed)
+    latent = 2 * (resolution // (4 * 2))  # tiny VAE: scale factor 4
+    noise = torch.randn(batch, tcfg["in_channels"] // 4, latent, latent, generator=g)
+    embeds = torch.randn(batch, text_tokens, tcfg["joint_attention_dim"], generator=g)
+    pooled = torch.randn(batch, tcfg["pooled_projection_dim"], generator=g)
+    return pack(noise).to(device), embeds.to(device), pooled.to(device), latent
+
+
+def _sigmas(pipe, steps: int, latent: int) -> torch.Tensor:
+    from grpo.sde import dynamic_sigmas
+
+    return dynamic_sigmas(steps, (latent // 2) ** 2, dict(pipe.scheduler.config))
+
+
+def single_process(args, device: torch.device) -> dict:
+    from diffusers import FluxPipeline
+
+    from grpo.flux import decode, make_conditioning
+    from grpo.rollout import SDEParams, sample
+
+    tcfg = transformer_config(args.preset)
+    transformer = build_transformer(tcfg).to(device)
+    pipe = FluxPipeline.from_pretrained(str(TINY), transformer=transformer, torch_dtype=torch.float32).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    vsf = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+
+    def ours(batch: int, with_decode: bool):
+        init, embeds, pooled, latent = _inputs(tcfg, batch, args.resolution, args.text_tokens, device)
+        cond = make_conditioning(embeds, pooled, latent, 3.5, tcfg["guidance_embeds"], device, torch.float32)
+        gens = [torch.Generator().manual_seed(i) for i in range(batch)]
+        traj = sample(transformer, cond, init, _sigmas(pipe, args.steps, latent), SDEParams(0.7, "dance"), gens)
+        return decode(pipe.vae, traj.x0, args.resolution, vsf) if with_decode else traj.x0
+
+    def diffusers(batch: int, with_decode: bool):
+        init, embeds, pooled, _ = _inputs(tcfg, batch, args.resolution, args.text_tokens, device)
+        return pipe(prompt_embeds=embeds, pooled_prompt_embeds=pooled, latents=init, height=args.resolution,
+                    width=args.resolution, num_inference_steps=args.steps, guidance_scale=3.5,
+                    output_type="pt" if with_decode else "latent").images
+
+    def timed(fn, *a) -> float:
+        sync(device)
+        t = time.perf_counter()
+        with torch.no_grad():
+            fn(*a)
+        sync(device)
+        return time.perf_counter() - t
+
+    cases = {("ours", True): (ours, args.batch), ("diffusers", True): (diffusers, args.batch),
+             ("ours", False): (ours, args.batch), ("diffusers", False): (diffusers, args.batch),
+             ("ours batch 1", True): (ours, 1)}
+    for fn, b in cases.values():  # warm-up
+        timed(fn, b, True)
+    best = {k: float("inf") for k in cases}
+    for _ in range(args.repeats):
+        for key, (fn, b) in cases.items():
+            best[key] = min(best[key], timed(fn, b, key[1]))
+    ips = {f"{k[0]}{'' if k[1] else ' (latents only)'}": cases[k][1] / t for k, t in best.items()}
+    return {"images_per_s": ips, "params": sum(p.numel() for p in transformer.parameters())}
+
+
+def worker_zero3(args, out: Path) -> None:
+    """2 processes: the same rollout through a ZeRO-3 engine, gathered once (unwrap) vs layer-wise hooks."""
+    import torch.distributed as dist
+
+    from grpo import device as dev
+    from grpo import engine as eng
+    from grpo.config import derive_layout, load_config
+    from grpo.flux import make_conditioning
+    from grpo.rollout import SDEParams, sample
+    from grpo.sde import shifted_sigmas
+
+    info = dev.init_distributed()
+    tcfg = transformer_config(args.preset)
+    cfg = load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml",
+                      ["batch.prompts_per_step=2", f"sampling.group_size={args.batch}",
+                       f"batch.micro_batch_size={args.batch}", "deepspeed.config=ds_configs/zero3_fp32.json"])
+    ds = eng.load_ds_config(cfg.deepspeed.config, cfg, derive_layout(cfg, info.world_size))
+    engine, _ = eng.build_policy(build_transformer(tcfg), cfg, ds)
+    init, embeds, pooled, latent = _inputs(tcfg, args.batch, args.resolution, args.text_tokens, info.device,
+                                           seed=info.rank)
+    cond = make_conditioning(embeds, pooled, latent, 3.5, tcfg["guidance_embeds"], info.device, torch.float32)
+    sigmas = shifted_sigmas(args.steps, 3.0)
+
+    def rollout(gather: bool) -> float:
+        dist.barrier()
+        t = time.perf_counter()
+        with torch.no_grad(), eng.inference_module(engine, gather) as model:
+            sample(model, cond, init, sigmas, SDEParams(0.7, "dance"),
+                   [torch.Generator().manual_seed(i) for i in range(args.batch)])
+        dist.barrier()
+        return time.perf_counter() - t
+
+    rollout(True), rollout(False)  # warm-up
+    best = {True: float("inf"), False: float("inf")}
+    for _ in range(args.repeats):
+        for gather in (True, False):
+            best[gather] = min(best[gather], rollout(gather))
+    if info.rank == 0:
+        n = args.batch * info.world_size
+        out.write_text(json.dumps({"gathered": n / best[True], "layerwise": n / best[False]}))
+    dist.barrier()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--resolution", type=int, default=128)
+    parser.add_argument("--text-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-zero3", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="tiny model, 2 steps, 1 repeat (tests the script)")
+    parser.add_argument("--worker", choices=["zero3"], help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.preset, args.batch, args.steps, args.resolution, args.repeats = "tiny", 2, 2, 64, 1
+    if args.worker == "zero3":
+        worker_zero3(args, args.out)
+        return 0
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    res = single_process(args, device)
+    print(f"rollout of {args.batch} images, {args.steps} steps, {args.resolution}px, preset {args.preset} "
+          f"({res['params'] / 1e6:.1f} M params), {device}, {torch.get_num_threads()} thread(s); best of "
+          f"{args.repeats}:")
+    for name, ips in res["images_per_s"].items():
+        print(f"  {name:<32} {ips:8.3f} images/s")
+    ips = res["images_per_s"]
+    print(f"  ours / diffusers, latents only: {ips['ours (latents only)'] / ips['diffusers (latents only)']:.3f}; "
+          f"ours batch {args.batch} / batch 1 (DanceGRPO rolls out one at a time): "
+          f"{ips['ours'] / ips['ours batch 1']:.2f}x")
+    if not args.skip_zero3:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "zero3.json"
+            script = [__file__, "--worker", "zero3", "--out", str(out), "--preset", args.preset, "--batch",
+                      str(args.batch), "--steps", str(args.steps), "--resolution", str(args.resolution),
+                      "--repeats", str(args.repeats)]
+            torchrun(2, script)
+            z = json.loads(out.read_text())
+        print(f"ZeRO-3 on 2 processes, LoRA policy, {args.batch} images per process: gathered once per rollout "
+              f"{z['gathered']:.3f} images/s, layer-wise {z['layerwise']:.3f} images/s "
+              f"(gather_for_rollout speed-up {z['gathered'] / z['layerwise']:.2f}x)")
+    print(f"rollout_vs_diffusers: {ips['ours'] / ips['diffusers']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

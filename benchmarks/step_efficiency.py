@@ -1,0 +1,177 @@
+"""Step efficiency: the FLOPs of one GRPO iteration over its wall time, divided by this machine's matmul FLOP/s
+measured in the same run, on the 'small' preset (~37 M parameters, full fine-tune).
+
+    python benchmarks/step_efficiency.py [--preset small] [--batch 4] [--steps 8] [--resolution 128] [--smoke]
+
+One iteration is what the recipe does per micro-batch: an SDE rollout of `--batch` images over `--steps` steps
+(no grad, log-probs recorded), then the GRPO update on the trained transitions (timestep fraction 0.6: forward +
+backward each, gradients accumulated) and one AdamW step with clipping. FLOPs come from
+torch.utils.flop_counter.FlopCounterMode (matmuls and attention; the CPU flash-attention kernel is registered here,
+torch only knows the GPU ones). The machine's rate is the best sustained 1024^3 fp32 matmul rate, measured before
+and after the timed iterations with the same threads (the cores are shared, so both see the same contention).
+
+Two runs side by side: plain PyTorch (the model, torch AdamW) and the recipe's path, a DeepSpeed ZeRO-3 engine on
+one process (ds_configs/zero3_fp32.json), whose extra time is DeepSpeed's overhead (per-module fetch/release hooks,
+gradient partitioning and the flat optimizer step). A torch.profiler table of the plain iteration says where time
+goes. Headline: `step_efficiency: E` of the ZeRO-3 run (goal E >= 0.5 on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks._common import ROOT, build_transformer, count_flops, matmul_flops, sync, transformer_config  # noqa: E402
+
+
+class Iteration:
+    """The inputs of one GRPO iteration and the iteration itself, for any model/backward/step."""
+
+    def __init__(self, tcfg: dict, batch: int, steps: int, resolution: int, text_tokens: int, device: torch.device):
+        from grpo.config import trained_transitions
+        from grpo.flux import make_conditioning, pack
+        from grpo.sde import shifted_sigmas
+
+        g = torch.Generator().manual_seed(0)
+        latent = 2 * (resolution // 8)  # tiny VAE: scale factor 4
+        self.init = pack(torch.randn(batch, tcfg["in_channels"] // 4, latent, latent, generator=g)).to(device)
+        self.cond = make_conditioning(torch.randn(batch, text_tokens, tcfg["joint_attention_dim"], generator=g),
+                                      torch.randn(batch, tcfg["pooled_projection_dim"], generator=g), latent, 3.5,
+                                      tcfg["guidance_embeds"], device, torch.float32)
+        self.sigmas = shifted_sigmas(steps, 3.0)
+        self.k = trained_transitions(steps, 0.6)
+        self.trained = list(range(0, steps - 1, max(1, (steps - 1) // self.k)))[: self.k]
+        self.advantages = torch.randn(batch, generator=g).to(device)
+        self.batch = batch
+
+    def __call__(self, model, backward, step) -> None:
+        from grpo.loss import grpo_loss
+        from grpo.rollout import SDEParams, sample, transition
+
+        sde = SDEParams(0.7, "dance")
+        with torch.no_grad():
+            traj = sample(model, self.cond, self.init, self.sigmas, sde,
+                          [torch.Generator().manual_seed(i) for i in range(self.batch)])
+        for j in self.trained:
+            out = transition(model, self.cond, traj.latents, self.sigmas, j, sde)
+            loss, _ = grpo_loss(out.log_prob, traj.log_probs[:, j], self.advantages, clip_range=1e-4)
+            backward(loss)
+            step()
+
+
+def plain(model: torch.nn.Module, max_norm: float = 1.0):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=1e-4)
+    calls = {"n": 0}
+
+    def backward(loss):
+        loss.backward()
+
+    def step(k: int):
+        calls["n"] += 1
+        if calls["n"] % k == 0:  # accumulate over the iteration's transitions, like the engine
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return backward, step
+
+
+def deepspeed_engine(tcfg: dict, it: Iteration, steps: int):
+    from grpo import device as dev
+    from grpo import engine as eng
+    from grpo.config import derive_layout, load_config
+
+    dev.init_distributed()
+    cfg = load_config(ROOT / "recipes/configs/tiny/grpo_full.yaml",
+                      ["batch.prompts_per_step=1", f"sampling.group_size={it.batch}",
+                       f"batch.micro_batch_size={it.batch}", f"sampling.num_steps={steps}",
+                       "grpo.timestep_fraction=0.6", "optim.lr=1e-5", "deepspeed.config=ds_configs/zero3_fp32.json"])
+    layout = derive_layout(cfg, 1)
+    assert layout.grad_accum_steps == it.k, (layout.grad_accum_steps, it.k)
+    engine, _ = eng.build_policy(build_transformer(tcfg), cfg, eng.load_ds_config(cfg.deepspeed.config, cfg, layout))
+    return engine
+
+
+def timed(fn, device: torch.device) -> float:
+    sync(device)
+    t = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t
+
+
+def profile_table(fn, rows: int = 10) -> tuple[str, float]:
+    """torch.profiler's top ops by self CPU time, and the share of time in matmul/attention kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    dense = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_flash_attention",
+             "aten::_flash_attention", "aten::_scaled_dot_product_efficient_attention", "aten::linear_backward")
+    matmul = sum(e.self_cpu_time_total for e in events if e.key.startswith(dense))
+    top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:rows]
+    lines = [f"    {e.key:<58}{e.self_cpu_time_total / total:7.1%}  ({e.count} calls)" for e in top]
+    return "\n".join(lines), matmul / total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--resolution", type=int, default=128)
+    parser.add_argument("--text-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="tiny model, 3 steps, 1 repeat (tests the script)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.preset, args.batch, args.steps, args.resolution, args.repeats = "tiny", 2, 3, 64, 1
+    device = torch.device("cpu")
+    tcfg = transformer_config(args.preset)
+    it = Iteration(tcfg, args.batch, args.steps, args.resolution, args.text_tokens, device)
+
+    model = build_transformer(tcfg).to(device).train()
+    backward, step = plain(model)
+    run_plain = lambda: it(model, backward, lambda: step(it.k))  # noqa: E731
+    flops, _ = count_flops(run_plain)
+    engine = deepspeed_engine(tcfg, it, args.steps)
+    run_ds = lambda: it(engine, engine.backward, engine.step)  # noqa: E731
+
+    rate = matmul_flops(device)
+    run_plain(), run_ds()  # warm-up (allocations, DeepSpeed's first trace)
+    best = {"plain": float("inf"), "zero3": float("inf")}
+    for _ in range(args.repeats):
+        best["plain"] = min(best["plain"], timed(run_plain, device))
+        best["zero3"] = min(best["zero3"], timed(run_ds, device))
+    rate = max(rate, matmul_flops(device))
+    table, matmul_share = profile_table(run_plain)
+
+    eff = {k: flops / t / rate for k, t in best.items()}
+    n = sum(p.numel() for p in model.parameters())
+    print(f"one GRPO iteration, preset {args.preset} ({n / 1e6:.1f} M params, full fine-tune, fp32): {args.batch} "
+          f"images x {args.steps} steps at {args.resolution}px, {it.k} trained transitions; "
+          f"{torch.get_num_threads()} thread(s)")
+    print(f"  FLOPs per iteration           {flops / 1e9:10.1f} GFLOP (FlopCounterMode)")
+    print(f"  machine matmul rate           {rate / 1e9:10.1f} GFLOP/s (1024^3 fp32, best)")
+    for k, t in best.items():
+        print(f"  {k:<6} iteration {t:8.2f} s  {flops / t / 1e9:8.1f} GFLOP/s  efficiency {eff[k]:.3f}")
+    print(f"  DeepSpeed ZeRO-3 overhead (1 process): {best['zero3'] / best['plain'] - 1:+.1%} time")
+    print(f"  where the plain iteration's time goes (self CPU time; {matmul_share:.0%} in matmul/attention):")
+    print(table)
+    print(f"step_efficiency: {eff['zero3']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,451 @@
+"""Resumable checkpoints: DeepSpeed ZeRO-3 state plus the run's own state, written atomically, verified on resume.
+
+Layout under ``output_dir/checkpoints/``::
+
+    step_00000010/                              the state after 10 completed GRPO steps
+        zero_pp_rank_{r}_mp_rank_00_model_states.pt       DeepSpeed, one per rank (module buffers, counters)
+        [bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt  DeepSpeed, one per rank (fp32 master shard, Adam
+                                                          moments, LR scheduler); LoRA: trainable weights only
+        zero_to_fp32.py                                   DeepSpeed's recovery script
+        grpo_rank{r:05d}.safetensors                      ours: RNG states of rank r and its EMA shard
+        meta.json                                         ours, written last: step, world size, resolved config,
+                                                          size + sha256 of every file above
+    latest                                      name of the newest complete checkpoint (DeepSpeed's convention,
+                                                so zero_to_fp32.py finds it); written after the rename
+    .tmp-step_00000012/                         a checkpoint being written; never read, removed by the next save
+
+Atomicity: every rank writes into ``.tmp-<name>``; after a barrier the ranks hash their share of the files (and fsync
+them), rank 0 writes ``meta.json`` and renames the folder into place, then updates ``latest``. A kill at any moment
+leaves either the previous checkpoints untouched or the new one complete. A checkpoint damaged later (truncated,
+overwritten, a rank file lost) fails verification; ``resume: auto`` then warns and takes the previous one.
+
+Resume is exact because everything random in a step is a pure function of (seed, step, sample index)
+(grpo/data.py): restoring the step counter, the optimizer, the LR scheduler, the weights and each rank's global RNG
+states continues the run as if it had never stopped.
+
+World size: a checkpoint is refused on a different number of processes. ZeRO-3 shards the optimizer by rank;
+DeepSpeed's universal-checkpoint conversion (ds_to_universal) could reshard it, but it is not wired in here.
+
+Security: DeepSpeed's own ``load_checkpoint`` and ``zero_to_fp32`` unpickle their ``.pt`` files with
+``torch.load(weights_only=False)``; everything this module writes and reads itself is JSON or safetensors. Only load
+checkpoints you wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from grpo.config import RecipeConfig, to_dict
+from grpo.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+META = "meta.json"
+LATEST = "latest"
+_NAME = re.compile(r"^step_(\d{8})$")
+# Settings that may change between a run and its resumption: where and how long it runs, what it logs, how it
+# checkpoints and handles faults. Everything else shapes the training math and must match.
+RESUME_FREE = ("output_dir", "max_steps", "checkpoint", "logging", "faults", "ema", "data.cache_dir",
+               "data.eval_prompts", "deepspeed.gather_for_rollout")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def checkpoint_step(path: str | Path) -> int | None:
+    m = _NAME.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def rank_file(rank: int) -> str:
+    return f"grpo_rank{rank:05d}.safetensors"
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete-looking checkpoint folders under `root`, newest first (temporary folders are never listed)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and checkpoint_step(p) is not None]
+    return sorted(found, key=lambda p: checkpoint_step(p), reverse=True)
+
+
+def read_meta(path: str | Path) -> dict:
+    """meta.json of a checkpoint; raises ValueError when it is missing or unreadable."""
+    f = Path(path) / META
+    try:
+        meta = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{f.name} missing or unreadable ({type(e).__name__})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("files"), dict):
+        raise ValueError(f"{f.name} is not a grpo checkpoint description (format {FORMAT})")
+    return meta
+
+
+# ------------------------------------------------------------------------------------------------ verification
+
+
+def _sha256(path: Path, fsync: bool = False) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+        if fsync:
+            os.fsync(f.fileno())
+    return h.hexdigest()
+
+
+def _share(names: list[str], rank: int, world: int) -> list[str]:
+    """The files rank `rank` hashes or verifies: every world-th one, so the work is split evenly."""
+    return sorted(names)[rank::world]
+
+
+def verify_share(path: Path, meta: dict, rank: int = 0, world: int = 1) -> str | None:
+    """Check this rank's share of a checkpoint's files against meta.json; None if fine, else the reason."""
+    for name in _share(list(meta["files"]), rank, world):
+        size, digest = meta["files"][name]
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, expected {size} (truncated?)"
+        if _sha256(f) != digest:
+            return f"{name} does not match its sha256 (corrupted)"
+    return None
+
+
+def _collective() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def verify(path: str | Path) -> str | None:
+    """Verify a whole checkpoint: None if valid, else the first reason found.
+
+    Collective when torch.distributed runs with several processes (every rank checks its share, then the verdicts
+    are gathered); a single process (grpo.export, grpo.eval) checks every file itself.
+    """
+    path = Path(path)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if _collective() else (0, 1)
+    try:
+        meta = read_meta(path)
+        reason = verify_share(path, meta, rank, world)
+    except ValueError as e:
+        reason = str(e)
+    if world > 1:
+        reasons: list[str | None] = [None] * world
+        dist.all_gather_object(reasons, reason)
+        reason = next((r for r in reasons if r is not None), None)
+    return reason
+
+
+# --------------------------------------------------------------------------------------------- compatibility
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _free(key: str) -> bool:
+    return any(key == f or key.startswith(f + ".") for f in RESUME_FREE)
+
+
+# Settings holding a file or folder: the same place spelled differently (relative vs absolute) is not a change.
+_PATH_KEYS = ("model.path", "data.train_prompts", "deepspeed.config")
+
+
+def _same(key: str, x: Any, y: Any) -> bool:
+    if x == y:
+        return True
+    if key in _PATH_KEYS and isinstance(x, str) and isinstance(y, str) and Path(x).exists() and Path(y).exists():
+        return Path(x).resolve() == Path(y).resolve()
+    return False
+
+
+def config_differences(saved: dict, current: dict) -> list[str]:
+    """`key: saved -> current` for every setting that shapes training and differs."""
+    a, b = _flatten(saved), _flatten(current)
+    keys = sorted(k for k in set(a) | set(b) if not _free(k) and not _same(k, a.get(k, "<unset>"),
+                                                                            b.get(k, "<unset>")))
+    return [f"{k}={a.get(k, '<unset>')!r} in the checkpoint, {b.get(k, '<unset>')!r} now" for k in keys]
+
+
+def check_compatible(path: Path, meta: dict, cfg: RecipeConfig, world_size: int) -> None:
+    """Refuse (ConfigError) a checkpoint of another preset or another world size."""
+    if meta["world_size"] != world_size:
+        raise ConfigError(
+            f"checkpoint.resume: {path} was written by {meta['world_size']} processes, this run has {world_size}; "
+            f"relaunch on {meta['world_size']} processes (resharding a ZeRO-3 checkpoint is not supported)"
+        )
+    diff = config_differences(meta["config"], to_dict(cfg))
+    if diff:
+        more = f" (and {len(diff) - 1} more)" if len(diff) > 1 else ""
+        raise ConfigError(
+            f"checkpoint.resume: {path} belongs to another preset: {diff[0]}{more}; resume with the checkpoint's "
+            "settings (its config is in meta.json) or start a new output_dir"
+        )
+
+
+# ------------------------------------------------------------------------------------------------ resolution
+
+
+def _warn(msg: str, *args) -> None:
+    if not _collective() or dist.get_rank() == 0:
+        log.warning(msg, *args)
+
+
+def _quarantine(path: Path) -> None:
+    """Move an invalid checkpoint aside (kept for inspection) so it is neither resumed nor counted as kept."""
+    if not _collective() or dist.get_rank() == 0:
+        target = path.parent / f".invalid-{path.name}-{int(time.time())}"
+        try:
+            path.rename(target)
+        except OSError as e:  # read-only storage: leave it, it is skipped again next time
+            log.warning("could not move %s aside (%s)", path, e)
+    if _collective():
+        dist.barrier()
+
+
+def newest_valid(root: Path, move_aside: bool = False) -> Path | None:
+    """The newest checkpoint under `root` that verifies; newer invalid ones are reported (and, when resuming, moved
+    aside to `.invalid-<name>-<time>` so that they are neither tried again nor counted among the kept ones)."""
+    for path in list_checkpoints(root):
+        reason = verify(path)
+        if reason is None:
+            return path
+        _warn("checkpoint %s is incomplete or corrupted (%s); using the previous one", path, reason)
+        if move_aside:
+            _quarantine(path)
+    return None
+
+
+def _non_empty(out: Path) -> bool:
+    return out.exists() and (not out.is_dir() or any(out.iterdir()))
+
+
+def resume_point(cfg: RecipeConfig, world_size: int) -> Path | None:
+    """Where this run starts: None for a fresh start, else a verified, compatible checkpoint folder.
+
+    Runs before any model is loaded and never writes, except moving an invalid checkpoint aside under
+    `checkpoint.resume: auto`. Collective under torch.distributed.
+
+    Raises:
+        ConfigError: output_dir holds files but checkpoint.resume is null; the resume path does not exist, is not a
+            checkpoint, fails verification, or was written by another preset or world size.
+    """
+    out, resume = Path(cfg.output_dir), cfg.checkpoint.resume
+    if resume is None:
+        if _non_empty(out):
+            raise ConfigError(
+                f"output_dir: {out} is not empty; set checkpoint.resume=auto to continue that run, or choose a new "
+                "output_dir"
+            )
+        return None
+    if resume == "auto":
+        path = newest_valid(out / "checkpoints", move_aside=True)
+        if path is None:
+            _warn("checkpoint.resume=auto: no valid checkpoint under %s; starting from step 0", out / "checkpoints")
+            return None
+    else:
+        path = Path(resume)
+        if path.is_dir() and (path / "checkpoints").is_dir():  # a run folder: its newest valid checkpoint
+            found = newest_valid(path / "checkpoints", move_aside=path.resolve() == out.resolve())
+            if found is None:
+                raise ConfigError(f"checkpoint.resume: {path} holds no valid checkpoint; give a checkpoint folder "
+                                  f"such as {path}/checkpoints/{checkpoint_name(10)}, or auto")
+            path = found
+        elif not path.is_dir():
+            raise ConfigError(f"checkpoint.resume: {path} does not exist; give a checkpoint folder "
+                              "(output_dir/checkpoints/step_...), a run folder, auto, or null")
+        else:
+            reason = verify(path)
+            if reason is not None:
+                raise ConfigError(f"checkpoint.resume: {path} is not a usable checkpoint ({reason}); pick an older "
+                                  "one under its checkpoints/ folder, or use auto")
+    check_compatible(path, read_meta(path), cfg, world_size)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------- RNG state
+
+
+def rng_state(device_rng: Callable[[], torch.Tensor] | None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Python, NumPy, torch (CPU) and accelerator RNG states as tensors + string metadata (safetensors-ready)."""
+    version, py_state, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    tensors = {
+        "rng/python": torch.tensor(py_state, dtype=torch.int64),
+        "rng/numpy": torch.from_numpy(keys.astype(np.int64)),
+        "rng/torch": torch.get_rng_state(),
+    }
+    if device_rng is not None:
+        tensors["rng/device"] = device_rng().cpu()
+    meta = {"python": json.dumps([version, gauss]), "numpy": json.dumps([kind, int(pos), int(has_gauss), cached])}
+    return tensors, meta
+
+
+def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, str],
+                  set_device_rng: Callable[[torch.Tensor], None] | None) -> None:
+    version, gauss = json.loads(meta["python"])
+    random.setstate((version, tuple(tensors["rng/python"].tolist()), gauss))
+    kind, pos, has_gauss, cached = json.loads(meta["numpy"])
+    np.random.set_state((kind, tensors["rng/numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(tensors["rng/torch"])
+    if set_device_rng is not None and "rng/device" in tensors:
+        set_device_rng(tensors["rng/device"])
+
+
+# ---------------------------------------------------------------------------------------------- save / load
+
+
+@dataclass
+class RunState:
+    """What a checkpoint restores besides DeepSpeed's state."""
+
+    step: int  # completed GRPO steps; training continues at this step index
+    consecutive_skips: int = 0
+    total_skips: int = 0
+
+
+def _device_rng():
+    from grpo import device as dev
+
+    acc = dev.accelerator()
+    if acc.device_name() == "cpu":  # the CPU accelerator's RNG is torch's CPU RNG, saved already
+        return None, None
+    return acc.get_rng_state, acc.set_rng_state
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(obj, indent=1, sort_keys=True))
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Checkpointer:
+    """Saves, prunes and loads the checkpoints of one run (collective methods: call on every rank)."""
+
+    def __init__(self, cfg: RecipeConfig, rank: int, world_size: int):
+        self.cfg = cfg
+        self.rank, self.world = rank, world_size
+        self.root = Path(cfg.output_dir) / "checkpoints"
+
+    def due(self, steps_done: int) -> bool:
+        every = self.cfg.checkpoint.every
+        return every > 0 and (steps_done % every == 0 or steps_done == self.cfg.max_steps)
+
+    def save(self, engine, state: RunState, ema=None) -> Path:
+        """Write the checkpoint of `state.step` completed steps atomically; returns its folder."""
+        name = checkpoint_name(state.step)
+        tmp, final = self.root / f".tmp-{name}", self.root / name
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():  # left by a run killed while saving
+                shutil.rmtree(tmp)
+        dist.barrier()
+        engine.save_checkpoint(str(self.root), tag=tmp.name, save_latest=False,
+                               exclude_frozen_parameters=self.cfg.lora is not None)
+        get_rng, _ = _device_rng()
+        tensors, meta = rng_state(get_rng)
+        if ema is not None:
+            ema_tensors, ema_meta = ema.state()
+            tensors.update(ema_tensors)
+            meta.update(ema_meta)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / rank_file(self.rank)), metadata=meta)
+        dist.barrier()
+        names = sorted(p.name for p in tmp.iterdir() if p.is_file())
+        mine = {n: [(tmp / n).stat().st_size, _sha256(tmp / n, fsync=True)] for n in _share(names, self.rank,
+                                                                                              self.world)}
+        shares: list[dict] = [{}] * self.world
+        dist.all_gather_object(shares, mine)
+        if self.rank == 0:
+            files = {k: v for share in shares for k, v in share.items()}
+            _write_json_atomic(tmp / META, {
+                "format": FORMAT, "step": state.step, "world_size": self.world,
+                "consecutive_skips": state.consecutive_skips, "total_skips": state.total_skips,
+                "lora": self.cfg.lora is not None, "ema": ema is not None,
+                "transformer_config": {k: v for k, v in dict(engine.module.config).items() if not k.startswith("_")},
+                "config": to_dict(self.cfg), "files": files, "time": time.time(),
+            })
+            _fsync_dir(tmp)
+            if final.exists():  # e.g. a corrupted checkpoint of the same step left behind
+                shutil.rmtree(final)
+            tmp.rename(final)
+            _write_text_atomic(self.root / LATEST, name)
+            _fsync_dir(self.root)
+            self._prune()
+        dist.barrier()
+        return final
+
+    def _prune(self) -> None:
+        """Delete checkpoints beyond the newest `keep`, and folders of saves that a kill interrupted."""
+        for old in list_checkpoints(self.root)[self.cfg.checkpoint.keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+        for stale in self.root.glob(".tmp-step_*"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def load(self, path: Path, engine, ema=None) -> RunState:
+        """Restore DeepSpeed's state, this rank's RNG and EMA shard; returns the run counters."""
+        meta = read_meta(path)
+        load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_module_strict=False,
+                                              load_optimizer_states=True, load_lr_scheduler_states=True)
+        if load_path is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint {path}")
+        tensors = load_file(str(path / rank_file(self.rank)))
+        from safetensors import safe_open
+
+        with safe_open(str(path / rank_file(self.rank)), framework="pt") as f:
+            file_meta = f.metadata()
+        _, set_rng = _device_rng()
+        set_rng_state(tensors, file_meta, set_rng)
+        if ema is not None:
+            if not meta["ema"]:
+                log.warning("checkpoint %s has no EMA weights; the EMA restarts from the current weights", path)
+            else:
+                ema.load(tensors)
+        return RunState(step=meta["step"], consecutive_skips=meta.get("consecutive_skips", 0),
+                        total_skips=meta.get("total_skips", 0))

@@ -1,0 +1,224 @@
+"""Held-out evaluation: deterministic (eta = 0) samples of the held-out prompts with fixed noise, scored by the rewards.
+
+One implementation serves both callers:
+
+* the recipe, every `logging.eval_every` steps, with the ZeRO-3 engine (each rank samples its share of the prompts,
+  scores are gathered by global index);
+* ``python -m grpo.eval CONFIG [checkpoint=PATH] [weights=auto|ema|model] [key=value ...]``, a single process
+  without DeepSpeed, which samples the same prompts with the same noise from the base model and from a checkpoint,
+  and writes ``output_dir/eval/<checkpoint>/grid.png`` (one row per prompt: base | checkpoint) and ``scores.json``.
+
+The noise of held-out prompt k is ``initial_noise(seed, step=0, index=k, stream=EVAL_NOISE)`` (grpo/data.py), so
+every eval of a run, and grpo.eval afterwards, sees the very same starting latents, on any world size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from grpo.config import RecipeConfig, SamplingConfig
+from grpo.data import EVAL_NOISE, initial_noise
+from grpo.errors import ConfigError
+from grpo.flux import Conditioning, decode, make_conditioning, pack
+from grpo.prompts import PromptCache
+from grpo.rollout import SDEParams, sample
+from grpo.sde import dynamic_sigmas, shifted_sigmas
+
+log = logging.getLogger(__name__)
+
+
+def schedule(s: SamplingConfig, latent_size: int, scheduler_config: dict) -> torch.Tensor:
+    """The sigma schedule [num_steps + 1] of a preset: a static time shift, or diffusers' dynamic one."""
+    if s.shift == "dynamic":
+        return dynamic_sigmas(s.num_steps, (latent_size // 2) ** 2, scheduler_config)
+    return shifted_sigmas(s.num_steps, float(s.shift))
+
+
+@dataclass
+class ImageSampler:
+    """Everything that turns prompt embeddings and seeds into images, except the transformer."""
+
+    vae: torch.nn.Module
+    vae_scale_factor: int
+    latent_size: int
+    latent_channels: int
+    guidance_embeds: bool
+    sigmas: torch.Tensor  # [num_steps + 1]
+    cfg: RecipeConfig
+    device: torch.device
+    dtype: torch.dtype  # the transformer's
+
+    def chunks(self, ids: list[int]) -> list[list[int]]:
+        m = self.cfg.batch.micro_batch_size
+        return [ids[i : i + m] for i in range(0, len(ids), m)]
+
+    def conditioning(self, cache: PromptCache, prompt_idx: list[int]) -> Conditioning:
+        return make_conditioning(cache.prompt_embeds[prompt_idx], cache.pooled[prompt_idx], self.latent_size,
+                                 self.cfg.sampling.guidance, self.guidance_embeds, self.device, self.dtype)
+
+    def initial_latents(self, step: int, keys: list[int], stream: int) -> torch.Tensor:
+        """Packed float32 starting noise [B, S, C], one pure function of (seed, step, key, stream) per row."""
+        shape = (self.latent_channels, self.latent_size, self.latent_size)
+        noise = torch.stack([initial_noise(shape, self.cfg.seed, step, k, stream) for k in keys])
+        return pack(noise).to(self.device)
+
+    def decode(self, x0: torch.Tensor) -> torch.Tensor:
+        return decode(self.vae, x0, self.cfg.sampling.resolution, self.vae_scale_factor)
+
+
+@torch.no_grad()
+def sample_heldout(model: torch.nn.Module, sampler: ImageSampler, cache: PromptCache,
+                   ids: list[int]) -> list[torch.Tensor]:
+    """ODE samples of held-out prompts `ids`, micro-batch by micro-batch; returns the x0 latents of each chunk."""
+    ode = SDEParams(0.0, sampler.cfg.sampling.sde)
+    return [sample(model, sampler.conditioning(cache, chunk), sampler.initial_latents(0, chunk, EVAL_NOISE),
+                   sampler.sigmas, ode).x0
+            for chunk in sampler.chunks(ids)]
+
+
+@torch.no_grad()
+def score_heldout(sampler: ImageSampler, rewards, cache: PromptCache, ids: list[int],
+                  x0: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode the chunks of :func:`sample_heldout` and score them.
+
+    Returns:
+        images [len(ids), 3, H, W] in [0, 1] and raw reward components [len(ids), R] (float32).
+    """
+    images, scores = [], []
+    with rewards.on_device():
+        for chunk, latents in zip(sampler.chunks(ids), x0):
+            im = sampler.decode(latents)
+            scores.append(rewards(im, [cache.prompts[i] for i in chunk]).float())
+            images.append(im)
+    if not images:
+        empty = torch.zeros(0, len(rewards.names), device=sampler.device)
+        return torch.zeros(0, 3, 0, 0, device=sampler.device), empty
+    return torch.cat(images), torch.cat(scores)
+
+
+# ---------------------------------------------------------------------------------------------------- the CLI
+
+
+def _side_by_side(base: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
+    """[N,3,H,W] x 2 -> [2N,3,H,W] ordered base_0, trained_0, base_1, ... (a 2-column grid: one prompt per row)."""
+    return torch.stack([base, trained], dim=1).flatten(0, 1)
+
+
+def _summary(components: torch.Tensor, total: torch.Tensor, names: list[str]) -> dict:
+    return {
+        "reward_mean": total.mean().item(),
+        "per_prompt": total.tolist(),
+        "components": {n: components[:, i].tolist() for i, n in enumerate(names)},
+    }
+
+
+def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weights: str = "auto",
+                        out_dir: str | Path | None = None) -> dict:
+    """Sample and score the held-out prompts with the base model and with `checkpoint`'s weights (one process).
+
+    Args:
+        cfg: the preset (model, sampling, rewards, held-out prompts).
+        checkpoint: a checkpoint folder, a run folder, or None for the newest valid checkpoint under
+            cfg.output_dir/checkpoints (base only when there is none).
+        weights: auto (EMA when the checkpoint has it), ema, or model.
+        out_dir: where grid.png and scores.json go; default output_dir/eval/<checkpoint name>.
+
+    Returns:
+        {"prompts", "base": {...}, "checkpoint": {...} | None, "images": {"base": T, "checkpoint": T}, "dir"}.
+    """
+    from grpo import device as dev
+    from grpo import engine as eng
+    from grpo import export
+    from grpo.config import derive_layout
+    from grpo.flux import load_parts, resolve_model_path
+    from grpo.metrics import save_grid
+    from grpo.prompts import ensure_cache, load_cache, read_prompt_file
+    from grpo.rewards import build_rewards, check_rewards, mix
+
+    if not cfg.data.eval_prompts:
+        raise ConfigError("data.eval_prompts: null; grpo.eval needs a held-out prompt file, e.g. "
+                          "assets/prompts/tiny_heldout.txt")
+    ds = eng.load_ds_config(cfg.deepspeed.config, cfg, derive_layout(cfg, 1))
+    dtype = eng.precision(ds)
+    model_path = resolve_model_path(cfg.model.path, cfg.model.revision)
+    read_prompt_file(cfg.data.eval_prompts, "data.eval_prompts")
+    check_rewards(cfg.rewards)
+    if weights not in ("auto", "ema", "model"):
+        raise ConfigError(f"weights: {weights!r}; use auto, ema or model")
+    if checkpoint is None:
+        found = export.find_checkpoint(Path(cfg.output_dir), required=False)
+        if found is None:
+            log.warning("no checkpoint under %s/checkpoints: evaluating the base model only", cfg.output_dir)
+    else:
+        found = export.find_checkpoint(Path(checkpoint))
+    state, meta = export.trained_weights(found, weights) if found is not None else (None, None)
+
+    device = dev.device_for_local_rank(0)
+    cache = load_cache(ensure_cache(model_path, cfg.data.eval_prompts, "data.eval_prompts", cfg.data.cache_dir,
+                                    cfg.data.max_sequence_length, device))
+    parts = load_parts(model_path, vae_dtype=dev.resolve_dtype(cfg.model.dtype), transformer_dtype=dtype)
+    model = parts.transformer.to(device).eval()
+    dev.set_attention_backend(model, cfg.model.attention_backend)
+    latent_size = parts.latent_size(cfg.sampling.resolution)
+    sampler = ImageSampler(parts.vae.to(device), parts.vae_scale_factor, latent_size,
+                           model.config.in_channels // 4, model.config.guidance_embeds,
+                           schedule(cfg.sampling, latent_size, parts.scheduler_config), cfg, device, dtype)
+    rewards = build_rewards(cfg.rewards, device)
+    ids = list(range(len(cache)))
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        images, comps = score_heldout(sampler, rewards, cache, ids, sample_heldout(model, sampler, cache, ids))
+        return images, comps, mix(comps, rewards.weights.to(comps.device), None, False)
+
+    base_images, base_comps, base_total = run()
+    result = {"prompts": list(cache.prompts), "base": _summary(base_comps, base_total, rewards.names),
+              "checkpoint": None, "images": {"base": base_images.cpu()}}
+    if found is not None:
+        export.apply_weights(model, state, meta)
+        images, comps, total = run()
+        result["checkpoint"] = {"path": str(found), "step": meta["step"], "weights": meta["weights"],
+                                **_summary(comps, total, rewards.names)}
+        result["images"]["checkpoint"] = images.cpu()
+    out = Path(out_dir) if out_dir else Path(cfg.output_dir) / "eval" / (found.name if found else "base")
+    out.mkdir(parents=True, exist_ok=True)
+    grid = _side_by_side(base_images, result["images"]["checkpoint"]) if found is not None else base_images
+    save_grid(grid, out / "grid.png", 2 if found is not None else min(len(ids), 8))
+    (out / "scores.json").write_text(json.dumps({k: v for k, v in result.items() if k != "images"}, indent=1))
+    result["dir"] = str(out)
+    line = f"held-out reward over {len(ids)} prompts: base {result['base']['reward_mean']:.4f}"
+    if found is not None:
+        line += f" | {found.name} ({meta['weights']}) {result['checkpoint']['reward_mean']:.4f}"
+    log.info("%s -> %s", line, out)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m grpo.eval CONFIG [checkpoint=PATH] [weights=auto|ema|model] [key=value ...]`."""
+    from grpo.config import load_config, validate
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    own = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv[1:] if a.startswith(("checkpoint=", "weights="))}
+    overrides = [a for a in argv[1:] if not a.startswith(("checkpoint=", "weights="))]
+    try:
+        cfg = load_config(argv[0], overrides)
+        validate(cfg)
+        result = evaluate_checkpoint(cfg, own.get("checkpoint") or None, own.get("weights", "auto"))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(result["dir"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Run health: the per-step health line, skipped-update accounting, graceful stop on SIGTERM/SIGINT, fault injection.
+
+Non-finite values. A non-finite reward poisons every advantage of its step, so the recipe skips that step's update.
+A non-finite loss or gradient is caught by DeepSpeed itself: ZeRO-3 computes the global gradient norm (all-reduced,
+so every rank sees the same value) before each optimizer step and, when it is not finite, zeroes the gradients and
+skips the step without advancing the LR scheduler (``engine.skipped_steps`` counts them; deepspeed>=0.19 does this
+for fp32 and bf16 too, not only for fp16 loss scaling). The recipe counts non-finite losses on every rank, turns each
+one into a non-finite gradient (a NaN that entered the loss as a constant would leave the gradient finite and the
+step would be applied on the other ranks' data), all-reduces the count, and checks that DeepSpeed did skip. After `faults.max_consecutive_skips` skipped steps in a row the run
+saves a checkpoint and stops with :class:`TooManySkips` (exit code 3): something upstream is broken.
+
+Preemption. SIGTERM or SIGINT only sets a flag; at the end of the step the ranks agree (all-reduce) to stop, save a
+checkpoint and exit 0, and ``checkpoint.resume=auto`` continues the run exactly. Under torchrun send the signal to the
+worker processes: torchrun itself reacts to SIGTERM by terminating its workers after a 30 s grace period.
+
+Fault injection (tests only): ``GRPO_FAULT_INJECT="nan_reward@2,nan_loss@3:1"`` turns this rank's rewards (or
+losses) of step 2 (step 3, rank 1 only) into NaN.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+FAULT_ENV = "GRPO_FAULT_INJECT"
+EXIT_TOO_MANY_SKIPS = 3
+
+
+class TooManySkips(RuntimeError):
+    """Raised after `faults.max_consecutive_skips` skipped updates in a row (a checkpoint has been saved)."""
+
+
+def _faults() -> list[tuple[str, int, int | None]]:
+    spec = os.environ.get(FAULT_ENV, "").strip()
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        kind, _, where = item.partition("@")
+        step, _, rank = where.partition(":")
+        out.append((kind, int(step), int(rank) if rank else None))
+    return out
+
+
+def inject(kind: str, step: int, rank: int, x: torch.Tensor) -> torch.Tensor:
+    """`x` filled with NaN if GRPO_FAULT_INJECT asks for `kind` at this step on this rank, else `x` itself."""
+    for k, s, r in _faults():
+        if k == kind and s == step and r in (None, rank):
+            log.warning("fault injection: %s at step %d on rank %d", kind, step, rank)
+            return x + float("nan")  # keeps the autograd graph, so backward still runs
+    return x
+
+
+@dataclass
+class SkipCounter:
+    """Counts GRPO steps whose update was (at least partly) skipped; tells when too many came in a row."""
+
+    limit: int
+    consecutive: int = 0
+    total: int = 0
+
+    def record(self, skipped: bool) -> bool:
+        """Record one step; True when `limit` skipped steps in a row have been reached."""
+        self.consecutive = self.consecutive + 1 if skipped else 0
+        self.total += int(skipped)
+        return self.consecutive >= self.limit
+
+
+@dataclass
+class StopSignal:
+    """Turns SIGTERM/SIGINT into a request to stop after the current step (a second SIGINT interrupts at once)."""
+
+    received: int | None = None
+    _previous: dict = field(default_factory=dict)
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.received == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signum
+        log.warning("received %s: finishing the current step, then saving and stopping",
+                    signal.Signals(signum).name)
+
+    def agreed(self, device: torch.device) -> bool:
+        """Collective: True on every rank when any rank received a stop signal."""
+        flag = torch.tensor([1.0 if self.received is not None else 0.0], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+
+_COMM_FAILURES = ("Timed out", "timed out", "Connection closed", "Connection reset", "Broken pipe", "NCCL", "HCCL")
+
+
+def comm_failure(err: BaseException, timeout_s: float) -> str | None:
+    """A one-line diagnosis when `err` looks like a collective that failed because a rank died or hung."""
+    text = str(err)
+    if isinstance(err, RuntimeError) and any(k in text for k in _COMM_FAILURES):
+        first = " ".join(text.split())[:160]
+        return (f"a collective failed ({first}): another rank died or stopped responding (faults.comm_timeout_s="
+                f"{timeout_s:g}); restart the job with checkpoint.resume=auto")
+    return None
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and (not math.isfinite(v) or v == 0 or 1e-3 <= abs(v) < 1e4):
+        return f"{v:.4g}"
+    return f"{v:.2e}" if isinstance(v, float) else str(v)
+
+
+def health_line(step: int, stats: dict[str, float]) -> str:
+    """One line per step with what tells a healthy GRPO run from a sick one."""
+    nonfinite_reward = sum(v for k, v in stats.items() if k.startswith("nonfinite/") and k not in
+                           ("nonfinite/loss", "nonfinite/grad"))
+    parts = [
+        f"step {step}",
+        f"reward {_fmt(stats.get('reward_mean'))}",
+        f"loss {_fmt(stats.get('loss'))}",
+        f"ratio_max_dev {_fmt(stats.get('ratio_max_dev'))}",
+        f"clip_frac {_fmt(stats.get('clip_frac'))}",
+        f"grad_norm {_fmt(stats.get('grad_norm'))}",
+        f"kl {_fmt(stats.get('kl'))}",
+        f"nonfinite reward/loss/grad {int(nonfinite_reward)}/{int(stats.get('nonfinite/loss', 0))}/"
+        f"{int(stats.get('nonfinite/grad', 0))}",
+        f"skipped {int(stats.get('skipped_updates', 0))}",
+        f"{_fmt(stats.get('step_time_s'))}s",
+    ]
+    return " | ".join(parts)

@@ -1,0 +1,119 @@
+"""Loading and driving the recipe script from the tools (recipes/ is not a package, so it is loaded by path).
+
+Shared by grpo.tools.npu_audit and grpo.tools.align: both build the recipe of a preset exactly as a training run does
+(``FluxGRPORecipe(cfg)`` then ``setup()``) and run one GRPO step through its own methods, so what they observe is the
+code that trains, not a re-implementation of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RECIPE_PATH = REPO_ROOT / "recipes" / "flux_grpo.py"
+
+Phase = Callable[[str], contextlib.AbstractContextManager]
+
+
+def load_recipe(path: str | Path = RECIPE_PATH) -> ModuleType:
+    """Imports the recipe script by path.
+
+    Args:
+        path: A recipe script defining ``FluxGRPORecipe`` (a copied and edited recipe works too).
+
+    Returns:
+        The executed module.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a loadable Python file.
+    """
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(f"_tool_recipe_{path.stem}", path)
+    if spec is None or spec.loader is None or not path.is_file():
+        raise FileNotFoundError(f"cannot load recipe {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def has_override(overrides: Sequence[str], key: str) -> bool:
+    """True when ``key=...`` is among the dotted overrides."""
+    return any(o.split("=", 1)[0] == key for o in overrides)
+
+
+@contextlib.contextmanager
+def recipe_session(config_path: str | Path, overrides: Sequence[str],
+                   recipe_path: str | Path = RECIPE_PATH) -> Iterator[Any]:
+    """Builds and sets up the recipe of a preset; yields it and closes its metrics writer afterwards.
+
+    The run writes into a temporary output_dir unless the overrides name one (the recipe refuses a directory that
+    already holds a run). Joins the process group through the recipe (``grpo.device.init_distributed``), so under
+    torchrun every rank must enter the session.
+
+    Args:
+        config_path: YAML preset.
+        overrides: Dotted ``key=value`` overrides.
+        recipe_path: The recipe script.
+
+    Yields:
+        The set-up ``FluxGRPORecipe``.
+    """
+    from grpo.config import load_config
+
+    recipe_mod = load_recipe(recipe_path)
+    overrides = list(overrides)
+    with contextlib.ExitStack() as stack:
+        if not has_override(overrides, "output_dir"):
+            overrides.append(f"output_dir={stack.enter_context(tempfile.TemporaryDirectory())}/run")
+        recipe = recipe_mod.FluxGRPORecipe(load_config(config_path, overrides))
+        recipe.setup()
+        try:
+            yield recipe
+        finally:
+            recipe.metrics.close()
+
+
+@dataclass
+class StepResult:
+    """What one GRPO step of the recipe produced (on this rank)."""
+
+    batch: dict  # the recipe's rollout batch: {"chunks": [...], "images": [n, 3, H, W]}
+    rewards: torch.Tensor  # [N] mixed rewards of every global sample (gathered)
+    advantages: torch.Tensor  # [N]
+    stats: dict[str, float]  # the update's statistics (all-reduced over ranks)
+
+
+def _no_phase(name: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+def run_step(recipe: Any, step: int = 0, phase: Phase = _no_phase) -> StepResult:
+    """Runs one GRPO step through the recipe's own methods: rollout, reward + advantage, reference + update.
+
+    Args:
+        recipe: A set-up ``FluxGRPORecipe``.
+        step: The GRPO step index (selects prompts and noise).
+        phase: Called with ``"rollout"``, ``"reward"`` and ``"train"``; the context it returns is held around that
+            part of the step (the audit's phases, the align tool's recording window).
+
+    Returns:
+        The step's batch, rewards, advantages and update statistics.
+    """
+    with phase("rollout"):
+        batch = recipe.rollout(step)
+    with phase("reward"):
+        rewards, _ = recipe.score(batch)
+        advantages, _ = recipe.advantages(rewards)
+    with phase("train"):
+        reference = recipe.reference_means(batch) if recipe.cfg.grpo.kl_coef > 0 else None
+        stats = recipe.update(step, batch, advantages, reference)
+    return StepResult(batch=batch, rewards=rewards, advantages=advantages, stats=stats)
