@@ -376,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         worst_act = max(worst_act, abs(e1), abs(e2))
         print(f"{'lora' if lora else 'full':<8}{str(ck):>14}{mb(got['after_forward']):>15}{mb(saved):>11}{e1:>+8.1%}"
               f"{mb(got['peak']):>11}{mb(peak):>11}{e2:>+8.1%}")
-    print(f"planner vs measured activations: worst error {worst_act:.1%}")
+    print(f"planner vs measured activations: worst error {worst_act:.1%}"
+          + (" (smoke: a few MiB, within page-level noise)" if args.smoke else ""))
     if loading is not None:
         print(f"loading a {args.load_preset} transformer on 2 processes (peak RSS over load + partition, minus the "
               "RSS before):")

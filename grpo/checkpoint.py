@@ -62,8 +62,9 @@ LATEST = "latest"
 _NAME = re.compile(r"^step_(\d{8})$")
 # Settings that may change between a run and its resumption: where and how long it runs, what it logs, how it
 # checkpoints and handles faults. Everything else shapes the training math and must match.
-RESUME_FREE = ("output_dir", "max_steps", "checkpoint", "logging", "faults", "ema", "data.cache_dir",
-               "data.eval_prompts", "deepspeed.gather_for_rollout")
+RESUME_FREE = ("output_dir", "max_steps", "checkpoint", "logging", "faults", "ema", "profile", "data.cache_dir",
+               "data.eval_prompts", "deepspeed.gather_for_rollout", "model.zero_init", "model.offload_vae",
+               "model.gradient_checkpointing")  # the last four are memory/loading knobs: same math
 
 
 def checkpoint_name(step: int) -> str:

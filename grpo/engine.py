@@ -132,23 +132,10 @@ def lora_state_dict(engine) -> dict[str, torch.Tensor] | None:
         return {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(engine.module).items()}
 
 
-def save_lora(engine, out_dir: str | Path) -> None:
-    """diffusers LoRA format, loadable by FluxPipeline.load_lora_weights (collective)."""
-    from diffusers import FluxPipeline
-
-    state = lora_state_dict(engine)
-    if state is not None:
-        FluxPipeline.save_lora_weights(str(out_dir), transformer_lora_layers=state, safe_serialization=True)
-
-
 def save_full(engine, out_dir: str | Path) -> None:
     """A FluxTransformer2DModel folder (config + safetensors shards), gathered shard by shard (collective)."""
-    from huggingface_hub import save_torch_state_dict
+    from grpo.export import write_transformer
 
     state = engine._zero3_consolidated_16bit_state_dict()  # rank 0 gets the tensors, others an empty dict
     if torch.distributed.get_rank() == 0:
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        engine.module.save_config(str(out_dir))
-        save_torch_state_dict(state, str(out_dir), filename_pattern="diffusion_pytorch_model{suffix}.safetensors",
-                              max_shard_size="10GB")
+        write_transformer(state, dict(engine.module.config), out_dir, next(iter(state.values())).dtype)

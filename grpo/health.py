@@ -6,8 +6,9 @@ so every rank sees the same value) before each optimizer step and, when it is no
 skips the step without advancing the LR scheduler (``engine.skipped_steps`` counts them; deepspeed>=0.19 does this
 for fp32 and bf16 too, not only for fp16 loss scaling). The recipe counts non-finite losses on every rank, turns each
 one into a non-finite gradient (a NaN that entered the loss as a constant would leave the gradient finite and the
-step would be applied on the other ranks' data), all-reduces the count, and checks that DeepSpeed did skip. After `faults.max_consecutive_skips` skipped steps in a row the run
-saves a checkpoint and stops with :class:`TooManySkips` (exit code 3): something upstream is broken.
+step would be applied on the other ranks' data), all-reduces the count, and checks that DeepSpeed did skip. After
+`faults.max_consecutive_skips` skipped steps in a row the run saves a checkpoint and stops with :class:`TooManySkips`
+(exit code 3): something upstream is broken.
 
 Preemption. SIGTERM or SIGINT only sets a flag; at the end of the step the ranks agree (all-reduce) to stop, save a
 checkpoint and exit 0, and ``checkpoint.resume=auto`` continues the run exactly. Under torchrun send the signal to the

@@ -26,8 +26,9 @@ Features and the settings that control them (see grpo/config.py for every key):
     logging ....................... logging.{sample_every, eval_every, tensorboard, wandb, progress}
 
 Seeds: prompts, initial noise, SDE noise and trained timesteps are pure functions of (seed, step, global sample index)
-(grpo/data.py), so a preset gives the same run on 1 or N processes, and a resumed run continues exactly. Torch's global generators are seeded with
-seed + rank for anything else (e.g. LoRA init is broadcast from rank 0 by ZeRO-3, so it does not depend on it).
+(grpo/data.py), so a preset gives the same run on 1 or N processes, and a resumed run continues exactly. Torch's
+global generators are seeded with seed + rank for anything else (e.g. LoRA init is broadcast from rank 0 by ZeRO-3, so
+it does not depend on it); checkpoints save and restore them on every rank.
 
 Launch:
     bash launch/run.sh recipes/configs/tiny/grpo_lora.yaml [key=value ...]          # all local devices, or 2 CPU procs

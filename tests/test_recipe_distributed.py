@@ -61,7 +61,7 @@ def test_same_step_on_one_and_two_processes(lora_runs, full_kl_runs, which):
         # Relative to the tensor's norm: Adam's first step is ~lr*sign(g), so an element whose gradient is ~0 can
         # move by rounding-level amounts (seen: 7 of 115k elements, 2e-7 absolute, at lr 1e-2).
         assert (w2 - w1).norm() <= 1e-5 * w1.norm(), name
-        assert (w2 - w1).abs().max() <= 1e-6, name
+        assert (w2 - w1).abs().max() <= 1e-5, name  # 0.1% of one Adam step at lr 1e-2
         moved += int(not torch.equal(w1, one["before"][name]))
     assert moved > 0  # the step did update the weights
 
