@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks._common import ROOT, build_transformer, count_flops, matmul_flops, sync, transformer_config  # noqa: E402
+from benchmarks._common import (ROOT, build_transformer, count_flops, matmul_flops, sync,  # noqa: E402
+                                transformer_config)
 
 
 class Iteration:

@@ -354,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
             worst = max(worst, abs(err))
             pol = r["policy"]
             print(f"{name:<16}{world:>6}{mb(pol['weights']):>12}{mb(pol['gradients']):>12}{mb(pol['master']):>10}"
-                  f"{mb(pol['optimizer']):>12}{mb(got):>12}{mb(want):>12}{err:>+8.1%}{mb(r['reference']['weights']):>12}"
+                  f"{mb(pol['optimizer']):>12}{mb(got):>12}{mb(want):>12}{err:>+8.1%}"
+                  f"{mb(r['reference']['weights']):>12}"
                   f"{mb(r['live_bytes']):>12}")
     lora_ref = {w: states_bytes(measured[w]["lora+reference"]) + measured[w]["lora+reference"]["reference"]["weights"]
                 - states_bytes(measured[w]["lora"]) for w in (1, 2)}

@@ -69,7 +69,7 @@ def test_resume_refuses_other_presets_but_not_run_control_settings(tmp_path):
     same = to_dict(load_config(LORA, ["max_steps=99", "output_dir=/x", "checkpoint.every=3", "logging.eval_every=1",
                                       "faults.comm_timeout_s=60", "ema.decay=0.9", "data.cache_dir=/c"]))
     assert ckpt.config_differences(base, same) == []
-    other = to_dict(load_config(LORA, ["optim.lr=1e-2", "sampling.num_steps=6"]))
+    other = to_dict(load_config(LORA, ["optim.lr=1e-2", "sampling.num_steps=7"]))
     diff = ckpt.config_differences(base, other)
     assert [d.split("=")[0] for d in diff] == ["optim.lr", "sampling.num_steps"]
     relative = to_dict(load_config(LORA, ["model.path=assets/tiny-flux"]))

@@ -9,14 +9,14 @@ Per device it counts:
 
   model states   ZeRO-3 partitions: weights (b bytes per parameter / N, b = 2 in bf16, 4 in fp32), gradients
                  (b per trainable / N), fp32 master weights (4 per trainable / N, kept by DeepSpeed in fp32 runs
-                 too) and Adam's two moments (8 per trainable / N); parameters of at most stage3_param_persistence_threshold elements stay
-                 whole on every device. offload_optimizer moves master, moments and gradients to the host,
-                 offload_param the weights.
-  activations    the bytes autograd saves in one update forward at the micro-batch and resolution, traced through
-                 diffusers' own forward on the meta device (attention counted as a fused kernel: q, k, v, out and
-                 the log-sum-exp, as SDPA-flash/NPU fusion attention save), per block, with the checkpointing policy
-                 applied (a checkpointed block keeps only its inputs and is recomputed in the backward), plus the
-                 backward's working set (gradients of the two token streams, the largest recomputed block).
+                 too) and Adam's two moments (8 per trainable / N); parameters of at most
+                 stage3_param_persistence_threshold elements stay whole on every device. offload_optimizer moves
+                 master, moments and gradients to the host, offload_param the weights.
+  activations    one update forward + backward at the micro-batch and resolution, traced through diffusers' own
+                 forward and torch's checkpoint code on the meta device (free): the bytes alive after the forward
+                 (what autograd keeps, with the model.gradient_checkpointing policy applied) and the backward's
+                 extra peak over them. Attention is counted as a fused kernel (q, k, v, out and the log-sum-exp, as
+                 SDPA-flash and NPU fusion attention keep), never an S x S matrix.
   rollout        the full gathered weights (deepspeed.gather_for_rollout) or ZeRO-3's in-flight parameters, and the
                  peak of live tensors of one no-grad forward (traced), plus the trajectories kept until the update.
   reference      full fine-tune with kl_coef > 0: a second set of weight partitions; LoRA: nothing (adapters off).
@@ -26,7 +26,7 @@ Per device it counts:
 
 The peak is the largest phase (rollout, decode, reward, reference, update, optimizer step) on top of what stays
 resident. Predictions were checked against measurements on small models (benchmarks/zero3_memory.py,
-tests/test_plan.py): model states within a few percent, activations within 15%.
+tests/test_plan.py): model states exact to 0.1%, update activations within a few percent (see RESULTS.md).
 """
 
 from __future__ import annotations
@@ -437,7 +437,8 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
                     "rollout activations": rollout_peak, "rollout batch": trajectories},
         "decode": {"rollout batch": trajectories, "VAE decode": vae_decode,
                    **({"VAE (visiting)": vae_weights} if cfg.model.offload_vae else {})},
-        "reward": {"rollout batch": trajectories, **({"rewards (visiting)": reward_visiting} if reward_visiting else {})},
+        "reward": {"rollout batch": trajectories,
+                   **({"rewards (visiting)": reward_visiting} if reward_visiting else {})},
         "update": {"rollout batch": trajectories, "activations": activations, "backward working set": backward,
                    "params in flight": in_flight},
         "optimizer step": ({"fp32 gradient copy": opt_step} if opt_step and not zero["offload_optimizer"] else {}),
