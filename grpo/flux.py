@@ -40,7 +40,7 @@ def resolve_model_path(path: str, revision: str | None = None) -> str:
     except Exception as e:  # noqa: BLE001 -- any hub failure becomes one actionable line
         raise ConfigError(
             f"model.path: {path} is not a local folder and could not be found in the Hugging Face cache "
-            f"({type(e).__name__}); run `huggingface-cli download {path}` on a machine with access, "
+            f"({type(e).__name__}); run `hf download {path}` on a machine with access, "
             "or set model.path to a local folder"
         ) from None
 
