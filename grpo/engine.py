@@ -64,6 +64,7 @@ def precision(ds: dict) -> torch.dtype:
 
 def add_lora(transformer: torch.nn.Module, cfg: RecipeConfig) -> None:
     """Freeze the base and add a PEFT adapter (diffusers' PeftAdapterMixin keeps disable_adapters() available)."""
+    check_lora_targets(transformer, cfg.lora.target_modules)
     transformer.requires_grad_(False)
     transformer.add_adapter(
         PeftLoraConfig(
@@ -76,6 +77,16 @@ def add_lora(transformer: torch.nn.Module, cfg: RecipeConfig) -> None:
     )
 
 
+def check_lora_targets(transformer: torch.nn.Module, targets: list[str]) -> None:
+    """Every lora.target_modules entry must name a module: PEFT skips an entry that matches nothing (a typo trains
+    fewer layers than asked) and fails with a traceback only when none match."""
+    names = [name for name, _ in transformer.named_modules()]
+    for target in targets:
+        if not any(n == target or n.endswith(f".{target}") for n in names):  # PEFT's rule for a list of names
+            raise ConfigError(f"lora.target_modules: {target!r} matches no module of the transformer; use module "
+                              "names such as to_q, to_k, to_v, to_out.0 (see transformer.named_modules())")
+
+
 def build_policy(transformer: torch.nn.Module, cfg: RecipeConfig, ds: dict):
     """Wrap the transformer (LoRA or full) in a ZeRO-3 training engine with AdamW and a warmup schedule."""
     if cfg.lora is not None:
@@ -84,8 +95,6 @@ def build_policy(transformer: torch.nn.Module, cfg: RecipeConfig, ds: dict):
         transformer.requires_grad_(True)
     enable_checkpointing(transformer, cfg.model.gradient_checkpointing)
     params = [p for p in transformer.parameters() if p.requires_grad]
-    if not params:
-        raise ConfigError("lora.target_modules: matched no module of the transformer; check the module names")
     o = cfg.optim
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
     warmup = max(o.warmup_steps, 0)

@@ -28,14 +28,22 @@ if [[ $1 == --torchrun ]]; then
   cmd=(python -m torch.distributed.run --nnodes "${NNODES:?set NNODES}" --node_rank "${NODE_RANK:?set NODE_RANK}"
        --nproc_per_node "${NPROC:-$count}" --master_addr "${MASTER_ADDR:?set MASTER_ADDR}"
        --master_port "${MASTER_PORT:-29500}" "$recipe" --config "$config" "$@")
+  world=$(( NNODES * ${NPROC:-$count} ))
 else
   hostfile=$1
   config=$2
   shift 2
   [[ -f $hostfile ]] || { echo "error: hostfile $hostfile does not exist" >&2; exit 2; }
   master=${MASTER_ADDR:-$(awk 'NF && $1 !~ /^#/ {print $1; exit}' "$hostfile")}
+  world=$(awk 'NF && $1 !~ /^#/ {for (i = 2; i <= NF; i++) if ($i ~ /^slots=/) n += substr($i, 7)} END {print n + 0}' \
+          "$hostfile")
+  (( world > 0 )) || { echo "error: hostfile $hostfile gives no slots; write one line per node: hostname slots=8" >&2
+                       exit 2; }
   cmd=(deepspeed --hostfile "$hostfile" --master_addr "$master" --master_port "${MASTER_PORT:-29500}"
        "$recipe" --config "$config" "$@")
 fi
+# A bad setting fails here, in one process that loads no model: the launchers would turn the recipe's exit code 2
+# into 1, and only after every rank had paid for its imports.
+python -m grpo.config --world-size "$world" "$config" "$@"
 echo "[launch] ${cmd[*]}" >&2
 exec "${cmd[@]}"

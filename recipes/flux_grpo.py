@@ -59,7 +59,7 @@ from grpo import engine as eng
 from grpo import eval as evals
 from grpo import export, health
 from grpo.advantages import group_advantages
-from grpo.config import RecipeConfig, derive_layout, dump_config, load_config, to_dict, validate
+from grpo.config import RecipeConfig, check_inputs, dump_config, load_config, to_dict, validate
 from grpo.data import INIT_NOISE, prompts_for_step, step_noise_generator, trained_steps
 from grpo.distributed import gather_by_index
 from grpo.ema import ShardedEMA
@@ -67,10 +67,10 @@ from grpo.errors import ConfigError
 from grpo.flux import decode, load_parts, resolve_model_path
 from grpo.loading import transformer_loader
 from grpo.loss import grpo_loss
-from grpo.metrics import MetricsLogger, check_wandb, progress, save_grid
+from grpo.metrics import MetricsLogger, progress, save_grid
 from grpo.profiling import StepProfiler
-from grpo.prompts import ensure_cache, load_cache, read_prompt_file
-from grpo.rewards import build_rewards, check_rewards, finite_check, mix
+from grpo.prompts import ensure_cache, load_cache
+from grpo.rewards import build_rewards, finite_check, mix
 from grpo.rollout import SDEParams, Trajectories, sample, transition
 from grpo.sde import kl_same_std
 
@@ -85,17 +85,12 @@ class FluxGRPORecipe:
         self.dist = dev.init_distributed(cfg.faults.comm_timeout_s)
         self.rank, self.world = self.dist.rank, self.dist.world_size
         self.device = self.dist.device
-        self.layout = derive_layout(cfg, self.world)
+        self.layout = check_inputs(cfg, self.world)  # what launch/*.sh check before torchrun: batch, files, output_dir
         self.model_path = resolve_model_path(cfg.model.path, cfg.model.revision)
-        read_prompt_file(cfg.data.train_prompts, "data.train_prompts")
-        if cfg.data.eval_prompts:
-            read_prompt_file(cfg.data.eval_prompts, "data.eval_prompts")
-        check_rewards(cfg.rewards)
         self.ds_config = eng.load_ds_config(cfg.deepspeed.config, cfg, self.layout)
         self.dtype = eng.precision(self.ds_config)
         dev.check_dtype_supported(self.dtype, "deepspeed.config precision")
         self.out = Path(cfg.output_dir)
-        check_wandb(cfg.logging.wandb)
         self.resume_from = ckpt.resume_point(cfg, self.world)  # None: fresh start (output_dir must be empty)
         self.show_progress = self.rank == 0 and cfg.logging.progress
         dev.seed_everything(cfg.seed + self.rank)
@@ -103,10 +98,10 @@ class FluxGRPORecipe:
 
     # ------------------------------------------------------------------------------------------------ setup
     def setup(self) -> None:
+        """Loads and wraps the models; output_dir is written only once they are built, so a setting that fails on
+        the model (e.g. lora.target_modules) leaves it as it was."""
         cfg = self.cfg
         if self.rank == 0:
-            self.out.mkdir(parents=True, exist_ok=True)
-            dump_config(cfg, self.out / "config.yaml")
             self._log_layout()
         self._setup_data()
         # model.zero_init: built inside zero.Init and filled from the safetensors shards, ~one host copy per node
@@ -123,6 +118,9 @@ class FluxGRPORecipe:
         self.rewards = build_rewards(cfg.rewards, self.device)
         self.engine, self.scheduler = eng.build_policy(parts.transformer, cfg, self.ds_config)
         self.reference = self._setup_reference()
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            dump_config(cfg, self.out / "config.yaml")
         self._setup_run_state()  # image sampler, EMA, checkpoint resume, metrics
         self.profiler = StepProfiler.from_config(cfg, self.out, self.rank, self.device)  # profile.steps; no-op if []
 

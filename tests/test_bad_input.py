@@ -2,7 +2,9 @@
 (the recipe's setup() is never reached), and leaves output_dir exactly as it was.
 
 All cases run through the recipe's own main() in one driver process (tests/bad_input_driver.py), so 30+ cases cost
-one import of torch and DeepSpeed; one case also runs as a real `python recipes/flux_grpo.py` process.
+one import of torch and DeepSpeed; one case also runs as a real `python recipes/flux_grpo.py` process. The launch
+scripts get the same exit code and line from their own check (python -m grpo.config) before any rank starts, and a
+LoRA target that matches no module fails once the model is built, before output_dir is written.
 """
 
 from __future__ import annotations
@@ -182,3 +184,59 @@ def test_real_process_exits_2(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("error: output_dir:")
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
+
+
+def _env() -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC", "NNODES", "NODE_RANK"):
+        env.pop(k, None)
+    return env
+
+
+def _one_error_line(stderr: str) -> str:
+    """The error line, after asserting it is the only one and the last (DeepSpeed's accelerator notice may precede)."""
+    lines = stderr.strip().splitlines()
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], stderr[-2000:]
+    assert "Traceback" not in stderr, stderr[-2000:]
+    return errors[0]
+
+
+@pytest.mark.parametrize("case", ["unknown key", "batch arithmetic of NPROC=3", "hostfile of 3 slots"])
+def test_launch_scripts_exit_2_before_torchrun(tmp_path, case):
+    """The launchers run the recipe's start-up checks before starting any rank: torchrun and the DeepSpeed launcher
+    report a rank's exit code 2 as 1. 4 prompts x 8 images do not split over 3 processes; they do over 1, 2 or 4."""
+    out = tmp_path / "run"
+    if case != "unknown key":
+        out.mkdir()  # an existing empty output_dir stays empty
+    env, args, setting = _env(), [f"output_dir={out}", f"model.path={TINY}"], "batch.prompts_per_step"
+    if case == "unknown key":
+        cmd, setting = ["bash", str(ROOT / "launch" / "run.sh"), LORA, "sampling.colour=red", *args], "sampling.colour"
+    elif case == "batch arithmetic of NPROC=3":
+        cmd, env["NPROC"] = ["bash", str(ROOT / "launch" / "run.sh"), LORA, *args], "3"
+    else:
+        hostfile = tmp_path / "hostfile"
+        hostfile.write_text("# one node\nlocalhost slots=3\n")
+        cmd = ["bash", str(ROOT / "launch" / "multinode.sh"), str(hostfile), LORA, *args]
+    before = _tree(out)
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert _one_error_line(proc.stderr).startswith(f"error: {setting}:")
+    assert "[launch]" not in proc.stderr  # no rank was started
+    assert _tree(out) == before
+
+
+def test_lora_target_matching_no_module_exits_2_and_writes_nothing(tmp_path):
+    """Caught once the transformer is built (PEFT itself ignores an entry that matches nothing while others match);
+    output_dir is written only after that, so an existing empty one stays empty."""
+    out = tmp_path / "run"
+    out.mkdir()
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "flux_grpo.py"), "--config", LORA,
+                           "lora.target_modules=[to_q, no_such_module]", "max_steps=1", f"output_dir={out}",
+                           f"model.path={TINY}", f"data.cache_dir={tmp_path / 'cache'}"],
+                          env={**_env(), "DS_ACCELERATOR": "cpu"}, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = _one_error_line(proc.stderr)
+    assert line.startswith("error: lora.target_modules: 'no_such_module' matches no module")
+    assert list(out.iterdir()) == []
