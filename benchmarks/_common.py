@@ -68,8 +68,11 @@ def n_params(module: torch.nn.Module) -> int:
 
 # ------------------------------------------------------------------------------------------------- machine rates
 def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    """Wait for the device's queued work (CUDA or NPU, through DeepSpeed's accelerator); a no-op on the CPU."""
+    if device.type != "cpu":
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().synchronize(device.index)
 
 
 def matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 1.0,

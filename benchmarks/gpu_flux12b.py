@@ -13,8 +13,8 @@ step. The VAE and the rewards are left out (their cost is small next to the tran
 
 FLOPs are counted by torch's FlopCounterMode on one rollout forward and one update transition (forward, recompute and
 backward) and scaled by the counts; MFU uses model FLOPs (without the recompute), HFU all executed FLOPs. The matmul
-rate is the best of 8192^3 bf16 matmuls in the same run. Memory: torch.cuda.max_memory_allocated per phase against
-the planner's phase totals for the same settings. Headline: `gpu_flux12b_s_per_image: X`.
+rate is the best of 8192^3 bf16 matmuls in the same run. Memory: the accelerator's max_memory_allocated (CUDA or
+NPU, through deepspeed.accelerator) per phase against the planner's phase totals for the same settings. Headline: `gpu_flux12b_s_per_image: X`.
 """
 
 from __future__ import annotations
@@ -82,10 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     from grpo.rollout import SDEParams, sample, transition
     from grpo.sde import shifted_sigmas
     from grpo.tools import plan as planner
+    from deepspeed.accelerator import get_accelerator
 
     info = dev.init_distributed()
     device = info.device
-    cuda = device.type == "cuda"
+    accel = device.type != "cpu"  # CUDA or NPU: timings synchronised and peak memory read through get_accelerator()
     if args.smoke:
         tcfg, vsf = transformer_config("tiny"), 4
     else:
@@ -114,11 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     advantages = torch.randn(args.batch, generator=g).to(device)
 
     def reset_peak():
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
+        if accel:
+            get_accelerator().reset_peak_memory_stats(device.index)
 
     def peak() -> int:
-        return torch.cuda.max_memory_allocated(device) if cuda else 0
+        return get_accelerator().max_memory_allocated(device.index) if accel else 0
 
     def iteration() -> dict:
         out = {}
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     engine.optimizer.zero_grad()
     executed = args.steps * fwd_flops + len(trained) * upd_flops
     model_flops = executed - len(trained) * fwd_flops  # checkpointing recomputes one forward per transition
-    rate = matmul_flops(device, dtype if cuda else torch.float32, n=8192 if cuda else 512)
+    rate = matmul_flops(device, dtype if accel else torch.float32, n=8192 if accel else 512)
     total_s = result["rollout_s"] + result["update_s"]
 
     p = planner.plan(cfg, 1, ds=json.loads((ROOT / "ds_configs/zero3.json").read_text()),
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{total_s / args.batch:.3f} s per image")
     print(f"  matmul rate {rate / 1e12:.1f} TFLOP/s; model FLOPs {model_flops / 1e12:.1f} T, executed "
           f"{executed / 1e12:.1f} T; MFU {model_flops / total_s / rate:.3f}, HFU {executed / total_s / rate:.3f}")
-    if cuda:
+    if accel:
         for phase, key in (("rollout", "rollout_peak"), ("update", "update_peak")):
             want = p.phase_total(phase)
             print(f"  peak memory {phase}: measured {result[key] / 2**30:.2f} GiB, planner {want / 2**30:.2f} GiB "
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         got = max(result["rollout_peak"], result["update_peak"])
         print(f"  peak memory: measured {got / 2**30:.2f} GiB, planner {want / 2**30:.2f} GiB ({want / got - 1:+.1%})")
     else:
-        print("  peak memory: not measured on the CPU (torch.cuda.max_memory_allocated needs a GPU)")
+        print("  peak memory: not measured on the CPU (the accelerator's max_memory_allocated needs a GPU or NPU)")
     print(f"gpu_flux12b_s_per_image: {total_s / args.batch:.3f}")
     return 0
 

@@ -19,7 +19,13 @@ if python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('tor
   source "$root/launch/npu_env.sh"
 fi
 read -r kind count < <(python -c "from grpo.device import local_devices; print(*local_devices())")
-if [[ $kind == cpu ]]; then export DS_ACCELERATOR=cpu; fi
+if [[ $kind == cpu ]]; then
+  export DS_ACCELERATOR=cpu
+else
+  # Freed host blocks go back to the OS at once: sharded loading then holds ~1 model copy per node, not ~2 (see
+  # launch/run.sh). The hostfile launcher does not forward it: add MALLOC_MMAP_THRESHOLD_=65536 to ~/.deepspeed_env.
+  export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-65536}
+fi
 
 if [[ $1 == --torchrun ]]; then
   shift

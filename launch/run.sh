@@ -31,6 +31,12 @@ case $kind in
     cores=$(nproc)
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / ${NPROC:-$count} > 0 ? cores / ${NPROC:-$count} : 1 ))}
     ;;
+  *)
+    # Return freed host blocks to the OS at once: with glibc's default threshold one rank kept ~200 MiB of freed
+    # loading buffers, so sharded loading held 1.88 model copies per node instead of 1.17 (benchmarks/RESULTS.md).
+    # Not on CPU runs, where every activation is a host allocation and would pay an mmap.
+    export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-65536}
+    ;;
 esac
 nproc_per_node=${NPROC:-$count}
 # A bad setting fails here, in one process that loads no model: under torchrun the recipe's exit code 2 would come
