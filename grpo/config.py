@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from grpo.errors import ConfigError
+from grpo.errors import ConfigError, run_command
 
 
 @dataclass
@@ -72,7 +72,15 @@ class SamplingConfig:
 @dataclass
 class BatchConfig:
     prompts_per_step: int = 8  # global, over all processes
-    micro_batch_size: int = 4  # per process, for rollouts and updates alike
+    micro_batch_size: int = 4  # per process: the update's micro-batch (and the rollout's unless set below)
+    # Rollout (and eval) micro-batch per process, a multiple of micro_batch_size: no gradients, so it can be larger.
+    # null = micro_batch_size, which keeps the first-pass ratio exactly 1; a larger one runs other matmul shapes than
+    # the update, so the ratio is 1 only up to rounding (ratio_max_dev shows by how much).
+    rollout_micro_batch_size: int | None = None
+
+    @property
+    def rollout_micro_batch(self) -> int:
+        return self.rollout_micro_batch_size or self.micro_batch_size
     updates_per_step: int = 1  # optimizer steps per GRPO step; the first one is exactly on-policy
 
 
@@ -107,6 +115,8 @@ class DeepSpeedConfig:
 class LoggingConfig:
     sample_every: int = 10  # write a grid of rollout images every N steps (0 = never)
     eval_every: int = 10  # held-out eval (eta = 0, fixed noise) every N steps; always before step 0 and after the last
+    # images per held-out prompt, each from its own fixed noise: one image a prompt is too few to see a small gain
+    eval_seeds: int = 1
     tensorboard: bool = True
     wandb: bool = False  # also log to Weights & Biases (needs `pip install wandb`; project from WANDB_PROJECT)
     progress: bool = True  # tqdm bars on rank 0 for the rollout and update phases
@@ -340,6 +350,7 @@ class Layout:
     samples_per_rank: int
     samples_per_rank_per_update: int
     micro_batch_size: int
+    rollout_micro_batch_size: int  # a multiple of micro_batch_size
     micro_batches_per_update: int
     trained_transitions: int  # K per trajectory
     grad_accum_steps: int  # backward passes per optimizer step per rank (micro-batches x K)
@@ -386,6 +397,12 @@ def derive_layout(cfg: RecipeConfig, world_size: int) -> Layout:
             f"batch.micro_batch_size: {per_rank} images per process do not split into {b.updates_per_step} update(s) "
             f"of micro-batches of {b.micro_batch_size}; choose micro_batch_size*updates_per_step dividing {per_rank}"
         )
+    rollout = b.rollout_micro_batch
+    if rollout % b.micro_batch_size or per_rank % rollout:
+        raise ConfigError(
+            f"batch.rollout_micro_batch_size: {rollout} must be a multiple of micro_batch_size {b.micro_batch_size} "
+            f"that divides the {per_rank} images per process; e.g. {b.micro_batch_size} or null"
+        )
     k = trained_transitions(s.num_steps, cfg.grpo.timestep_fraction)
     per_update = per_rank // b.updates_per_step
     micro_per_update = per_update // b.micro_batch_size
@@ -395,6 +412,7 @@ def derive_layout(cfg: RecipeConfig, world_size: int) -> Layout:
         samples_per_rank=per_rank,
         samples_per_rank_per_update=per_update,
         micro_batch_size=b.micro_batch_size,
+        rollout_micro_batch_size=rollout,
         micro_batches_per_update=micro_per_update,
         trained_transitions=k,
         grad_accum_steps=micro_per_update * k,
@@ -430,6 +448,9 @@ def validate(cfg: RecipeConfig) -> None:
         ("batch.updates_per_step", b.updates_per_step),
     ):
         _positive(value, key, "use a positive integer")
+    if b.rollout_micro_batch_size is not None:
+        _positive(b.rollout_micro_batch_size, "batch.rollout_micro_batch_size",
+                  "use a multiple of micro_batch_size, or null")
     if not 0 < g.timestep_fraction <= 1:
         raise ConfigError(f"grpo.timestep_fraction: {g.timestep_fraction} must be in (0, 1]")
     _positive(g.clip_range, "grpo.clip_range", "DanceGRPO uses 1e-4")
@@ -477,6 +498,8 @@ def _validate_run_control(cfg: RecipeConfig) -> None:
                        ("logging.eval_every", cfg.logging.eval_every), ("checkpoint.every", cfg.checkpoint.every)):
         if value < 0:
             raise ConfigError(f"{key}: {value} is negative; use a number of steps (0 = never)")
+    if cfg.logging.eval_seeds < 1:
+        raise ConfigError(f"logging.eval_seeds: {cfg.logging.eval_seeds}; use at least 1 image per held-out prompt")
     if cfg.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.keep: {cfg.checkpoint.keep}; keep at least 1 checkpoint")
     if cfg.checkpoint.resume is not None and not cfg.checkpoint.resume.strip():
@@ -525,12 +548,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --world-size: {args.world_size}; a run needs at least 1 process (launch/run.sh: set NPROC, "
               "or make the devices visible)", file=sys.stderr)
         return 2
-    try:
+
+    def body() -> None:
         check_inputs(load_config(args.config, args.overrides), args.world_size)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_command(body)
 
 
 if __name__ == "__main__":

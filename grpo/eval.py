@@ -8,8 +8,9 @@ One implementation serves both callers:
   without DeepSpeed, which samples the same prompts with the same noise from the base model and from a checkpoint,
   and writes ``output_dir/eval/<checkpoint>/grid.png`` (one row per prompt: base | checkpoint) and ``scores.json``.
 
-The noise of held-out prompt k is ``initial_noise(seed, step=0, index=k, stream=EVAL_NOISE)`` (grpo/data.py), so
-every eval of a run, and grpo.eval afterwards, sees the very same starting latents, on any world size.
+An eval draws `logging.eval_seeds` images per held-out prompt. Image j (0 <= j < n_prompts * eval_seeds) shows prompt
+j % n_prompts from the noise ``initial_noise(seed, step=0, index=j, stream=EVAL_NOISE)`` (grpo/data.py), so every
+eval of a run, and grpo.eval afterwards, sees the very same starting latents, on any world size.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from grpo.config import RecipeConfig, SamplingConfig
 from grpo.data import EVAL_NOISE, initial_noise
-from grpo.errors import ConfigError
+from grpo.errors import ConfigError, run_command
 from grpo.flux import Conditioning, decode, make_conditioning, pack
 from grpo.prompts import PromptCache
 from grpo.rollout import SDEParams, sample
@@ -55,7 +56,7 @@ class ImageSampler:
     dtype: torch.dtype  # the transformer's
 
     def chunks(self, ids: list[int]) -> list[list[int]]:
-        m = self.cfg.batch.micro_batch_size
+        m = self.cfg.batch.rollout_micro_batch  # no gradients: the rollout's micro-batch
         return [ids[i : i + m] for i in range(0, len(ids), m)]
 
     def conditioning(self, cache: PromptCache, prompt_idx: list[int]) -> Conditioning:
@@ -72,13 +73,23 @@ class ImageSampler:
         return decode(self.vae, x0, self.cfg.sampling.resolution, self.vae_scale_factor)
 
 
+def eval_images(cache: PromptCache, cfg: RecipeConfig) -> int:
+    """How many images an eval draws: `logging.eval_seeds` per held-out prompt."""
+    return len(cache) * cfg.logging.eval_seeds
+
+
+def _prompt_of(cache: PromptCache, ids: list[int]) -> list[int]:
+    return [j % len(cache) for j in ids]
+
+
 @torch.no_grad()
 def sample_heldout(model: torch.nn.Module, sampler: ImageSampler, cache: PromptCache,
                    ids: list[int]) -> list[torch.Tensor]:
-    """ODE samples of held-out prompts `ids`, micro-batch by micro-batch; returns the x0 latents of each chunk."""
+    """ODE samples of eval images `ids` (see the module docstring), micro-batch by micro-batch; returns the x0
+    latents of each chunk."""
     ode = SDEParams(0.0, sampler.cfg.sampling.sde)
-    return [sample(model, sampler.conditioning(cache, chunk), sampler.initial_latents(0, chunk, EVAL_NOISE),
-                   sampler.sigmas, ode).x0
+    return [sample(model, sampler.conditioning(cache, _prompt_of(cache, chunk)),
+                   sampler.initial_latents(0, chunk, EVAL_NOISE), sampler.sigmas, ode).x0
             for chunk in sampler.chunks(ids)]
 
 
@@ -94,7 +105,7 @@ def score_heldout(sampler: ImageSampler, rewards, cache: PromptCache, ids: list[
     with rewards.on_device():
         for chunk, latents in zip(sampler.chunks(ids), x0):
             im = sampler.decode(latents)
-            scores.append(rewards(im, [cache.prompts[i] for i in chunk]).float())
+            scores.append(rewards(im, [cache.prompts[i] for i in _prompt_of(cache, chunk)]).float())
             images.append(im)
     if not images:
         empty = torch.zeros(0, len(rewards.names), device=sampler.device)
@@ -110,11 +121,11 @@ def _side_by_side(base: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
     return torch.stack([base, trained], dim=1).flatten(0, 1)
 
 
-def _summary(components: torch.Tensor, total: torch.Tensor, names: list[str]) -> dict:
+def _summary(components: torch.Tensor, total: torch.Tensor, names: list[str], n_prompts: int) -> dict:
     return {
         "reward_mean": total.mean().item(),
-        "per_prompt": total.tolist(),
-        "components": {n: components[:, i].tolist() for i, n in enumerate(names)},
+        "per_prompt": total.view(-1, n_prompts).mean(0).tolist(),  # rows of the [seeds, prompts] layout of the ids
+        "components": {n: components[:, i].tolist() for i, n in enumerate(names)},  # per image
     }
 
 
@@ -170,28 +181,31 @@ def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weight
                            model.config.in_channels // 4, model.config.guidance_embeds,
                            schedule(cfg.sampling, latent_size, parts.scheduler_config), cfg, device, dtype)
     rewards = build_rewards(cfg.rewards, device)
-    ids = list(range(len(cache)))
+    ids = list(range(eval_images(cache, cfg)))
 
     def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         images, comps = score_heldout(sampler, rewards, cache, ids, sample_heldout(model, sampler, cache, ids))
         return images, comps, mix(comps, rewards.weights.to(comps.device), None, False)
 
     base_images, base_comps, base_total = run()
-    result = {"prompts": list(cache.prompts), "base": _summary(base_comps, base_total, rewards.names),
+    result = {"prompts": list(cache.prompts), "base": _summary(base_comps, base_total, rewards.names, len(cache)),
               "checkpoint": None, "images": {"base": base_images.cpu()}}
     if found is not None:
         export.apply_weights(model, state, meta)
         images, comps, total = run()
         result["checkpoint"] = {"path": str(found), "step": meta["step"], "weights": meta["weights"],
-                                **_summary(comps, total, rewards.names)}
+                                **_summary(comps, total, rewards.names, len(cache))}
         result["images"]["checkpoint"] = images.cpu()
     out = Path(out_dir) if out_dir else Path(cfg.output_dir) / "eval" / (found.name if found else "base")
     out.mkdir(parents=True, exist_ok=True)
-    grid = _side_by_side(base_images, result["images"]["checkpoint"]) if found is not None else base_images
-    save_grid(grid, out / "grid.png", 2 if found is not None else min(len(ids), 8))
+    first = slice(0, len(cache))  # the first seed's image of every prompt: one row per prompt
+    grid = (_side_by_side(base_images[first], result["images"]["checkpoint"][first]) if found is not None
+            else base_images[first])
+    save_grid(grid, out / "grid.png", 2 if found is not None else min(len(cache), 8))
     (out / "scores.json").write_text(json.dumps({k: v for k, v in result.items() if k != "images"}, indent=1))
     result["dir"] = str(out)
-    line = f"held-out reward over {len(ids)} prompts: base {result['base']['reward_mean']:.4f}"
+    line = (f"held-out reward over {len(cache)} prompts x {cfg.logging.eval_seeds} seeds: "
+            f"base {result['base']['reward_mean']:.4f}")
     if found is not None:
         line += f" | {found.name} ({meta['weights']}) {result['checkpoint']['reward_mean']:.4f}"
     log.info("%s -> %s", line, out)
@@ -209,15 +223,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     own = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv[1:] if a.startswith(("checkpoint=", "weights="))}
     overrides = [a for a in argv[1:] if not a.startswith(("checkpoint=", "weights="))]
-    try:
+
+    def body() -> str:
         cfg = load_config(argv[0], overrides)
         validate(cfg)
-        result = evaluate_checkpoint(cfg, own.get("checkpoint") or None, own.get("weights", "auto"))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(result["dir"])
-    return 0
+        return evaluate_checkpoint(cfg, own.get("checkpoint") or None, own.get("weights", "auto"))["dir"]
+
+    return run_command(body)
 
 
 if __name__ == "__main__":

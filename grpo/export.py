@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from grpo import checkpoint as ckpt
-from grpo.errors import ConfigError
+from grpo.errors import ConfigError, run_command
 
 log = logging.getLogger(__name__)
 
@@ -213,12 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    try:
-        print(export(args.checkpoint, args.out, args.format, args.weights, args.dtype))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(lambda: str(export(args.checkpoint, args.out, args.format, args.weights, args.dtype)))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from grpo.errors import ConfigError
+from grpo.errors import ConfigError, run_command
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,7 @@ def ensure_cache(model_path: str, prompt_file: str, setting: str, cache_dir: str
 def main(argv: list[str] | None = None) -> int:
     """`python -m grpo.prompts CONFIG [key=value ...]`: precompute the embedding caches of a preset."""
     from grpo.config import load_config
+    from grpo.device import device_for_local_rank
     from grpo.flux import resolve_model_path
 
     argv = sys.argv[1:] if argv is None else argv
@@ -121,19 +122,16 @@ def main(argv: list[str] | None = None) -> int:
         print(main.__doc__)
         return 0 if argv else 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
+
+    def body() -> str:
         cfg = load_config(argv[0], argv[1:])
         model_path = resolve_model_path(cfg.model.path, cfg.model.revision)
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = device_for_local_rank(0)  # NPU, GPU or CPU, as the recipe picks it
         files = [("data.train_prompts", cfg.data.train_prompts), ("data.eval_prompts", cfg.data.eval_prompts)]
-        for setting, prompt_file in files:
-            if prompt_file:
-                print(ensure_cache(model_path, prompt_file, setting, cfg.data.cache_dir,
-                                   cfg.data.max_sequence_length, device))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return "\n".join(str(ensure_cache(model_path, f, setting, cfg.data.cache_dir, cfg.data.max_sequence_length,
+                                            device)) for setting, f in files if f)
+
+    return run_command(body)
 
 
 if __name__ == "__main__":

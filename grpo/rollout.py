@@ -35,6 +35,10 @@ class Trajectories:
     log_probs: torch.Tensor | None  # [B, T] float32; None for ODE rollouts
     x0: torch.Tensor  # [B, S, C] float32: clean latent predicted at x_{T-1}, the one that is decoded
 
+    def select(self, rows: slice) -> "Trajectories":
+        lp = None if self.log_probs is None else self.log_probs[rows]
+        return Trajectories(self.latents[rows], lp, self.x0[rows])
+
 
 def timestep(sigmas: torch.Tensor, i: int, batch: int) -> torch.Tensor:
     """The transformer's timestep input for step i, built like FluxPipeline builds it (t*1000, then /1000)."""

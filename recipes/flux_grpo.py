@@ -16,7 +16,8 @@ Features and the settings that control them (see grpo/config.py for every key):
     sharding/offload/precision .... deepspeed.config (ds_configs/*.json); batch fields are derived, never set there
     activation recompute .......... model.gradient_checkpointing
     sampler ....................... sampling.{num_steps, eta, sde: dance|flow, shift, guidance, init_same_noise}
-    batch ......................... batch.{prompts_per_step (global), micro_batch_size, updates_per_step},
+    batch ......................... batch.{prompts_per_step (global), micro_batch_size, rollout_micro_batch_size,
+                                    updates_per_step},
                                     sampling.group_size (global); per-rank values derived from the world size
     checkpoints and resume ........ checkpoint.{every, keep, resume: null|auto|PATH} (grpo/checkpoint.py);
                                     python -m grpo.export CHECKPOINT OUT; python -m grpo.eval CONFIG checkpoint=...
@@ -170,10 +171,11 @@ class FluxGRPORecipe:
     def _log_layout(self) -> None:
         lay = self.layout
         log.info(
-            "world %d | images/step %d (%d prompts x %d) | per rank %d | micro-batch %d | updates/step %d | "
-            "trained transitions/trajectory %d of %d | backward passes per optimizer step %d",
+            "world %d | images/step %d (%d prompts x %d) | per rank %d | micro-batch %d (rollout %d) | "
+            "updates/step %d | trained transitions/trajectory %d of %d | backward passes per optimizer step %d",
             lay.world_size, lay.samples_per_step, self.cfg.batch.prompts_per_step, self.cfg.sampling.group_size,
-            lay.samples_per_rank, lay.micro_batch_size, lay.updates_per_step, lay.trained_transitions,
+            lay.samples_per_rank, lay.micro_batch_size, lay.rollout_micro_batch_size, lay.updates_per_step,
+            lay.trained_transitions,
             self.cfg.sampling.num_steps - 1, lay.grad_accum_steps,
         )
 
@@ -246,10 +248,6 @@ class FluxGRPORecipe:
         self.metrics.close()
 
     # ---------------------------------------------------------------------------------------------- rollout
-    def _chunks(self, ids: list[int]) -> list[list[int]]:
-        m = self.layout.micro_batch_size
-        return [ids[i : i + m] for i in range(0, len(ids), m)]
-
     def _conditioning(self, cache, prompt_idx: list[int]):
         return self.sampler.conditioning(cache, prompt_idx)
 
@@ -258,20 +256,23 @@ class FluxGRPORecipe:
 
     @torch.no_grad()
     def rollout(self, step: int) -> dict:
-        """Sample this rank's trajectories, micro-batch by micro-batch, and decode x0 predicted at the last step."""
-        cfg, g = self.cfg, self.cfg.sampling.group_size
+        """Sample this rank's trajectories, rollout micro-batch by rollout micro-batch, cut them into the update's
+        micro-batches (the unit of everything after), and decode x0 predicted at the last step."""
+        cfg, g, lay = self.cfg, self.cfg.sampling.group_size, self.layout
         prompt_of_slot = prompts_for_step(len(self.train_prompts), cfg.batch.prompts_per_step, cfg.seed, step)
-        ids = self.layout.rank_sample_ids(self.rank)
+        ids, r = lay.rank_sample_ids(self.rank), lay.rollout_micro_batch_size
         chunks = []
         with eng.inference_module(self.engine, cfg.deepspeed.gather_for_rollout) as model:
-            for chunk in progress(self._chunks(ids), f"rollout {step}", self.show_progress):
-                prompt_idx = [prompt_of_slot[s // g] for s in chunk]
-                noise_keys = [s // g for s in chunk] if cfg.sampling.init_same_noise else chunk
+            for big in progress([ids[i : i + r] for i in range(0, len(ids), r)], f"rollout {step}", self.show_progress):
+                prompt_idx = [prompt_of_slot[s // g] for s in big]
+                noise_keys = [s // g for s in big] if cfg.sampling.init_same_noise else big
                 cond = self._conditioning(self.train_prompts, prompt_idx)
                 traj = sample(model, cond, self._initial_latents(step, noise_keys), self.sigmas, self.sde,
-                              [step_noise_generator(cfg.seed, step, s) for s in chunk])
-                chunks.append({"ids": chunk, "prompt_idx": prompt_idx, "cond": cond, "traj": traj,
-                               "trained": self._trained_steps(step, chunk)})
+                              [step_noise_generator(cfg.seed, step, s) for s in big])
+                for i in range(0, len(big), lay.micro_batch_size):
+                    rows = slice(i, i + lay.micro_batch_size)
+                    chunks.append({"ids": big[rows], "prompt_idx": prompt_idx[rows], "cond": cond.select(rows),
+                                   "traj": traj.select(rows), "trained": self._trained_steps(step, big[rows])})
         for c in chunks:  # decode after the gathered weights are released
             c["images"] = decode(self.vae, c["traj"].x0, cfg.sampling.resolution, self.vae_scale_factor)
         return {"chunks": chunks, "images": torch.cat([c["images"] for c in chunks])}
@@ -376,7 +377,7 @@ class FluxGRPORecipe:
         """
         if self.eval_prompts is None:
             return None
-        n = len(self.eval_prompts)
+        n = evals.eval_images(self.eval_prompts, self.cfg)
         ids = list(range(self.rank, n, self.world))
         with self._trained_weights(), eng.inference_module(self.engine, self.cfg.deepspeed.gather_for_rollout) as m:
             x0 = evals.sample_heldout(m, self.sampler, self.eval_prompts, ids)
@@ -387,7 +388,8 @@ class FluxGRPORecipe:
         total = mix(components, self.rewards.weights.to(components.device), None, False)
         self.metrics.log(step, {"eval/reward_mean": total.mean().item()})
         if self.rank == 0:
-            log.info("eval at step %d: held-out reward %.4f over %d prompts", step, total.mean().item(), n)
+            log.info("eval at step %d: held-out reward %.4f over %d prompts x %d seeds", step, total.mean().item(),
+                     len(self.eval_prompts), self.cfg.logging.eval_seeds)
         return total.mean().item()
 
     # ------------------------------------------------------------------------------------------------- save

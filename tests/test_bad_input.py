@@ -63,7 +63,7 @@ def _cases(tmp: Path) -> list[dict]:
     ds_garbled = tmp / "ds_garbled.json"
     ds_garbled.write_text("{\"zero_optimization\": {\"stage\": 3,,}")
     other_world = _fake_checkpoint(tmp / "ckpt_world4" / "step_00000003", 4, [])
-    other_preset = _fake_checkpoint(tmp / "ckpt_g8" / "step_00000003", 1, ["sampling.group_size=4"])
+    other_preset = _fake_checkpoint(tmp / "ckpt_g8" / "step_00000003", 1, ["sampling.group_size=8"])
     garbled_ckpt = tmp / "ckpt_garbled" / "step_00000003"
     garbled_ckpt.mkdir(parents=True)
     (garbled_ckpt / "meta.json").write_text("{not json")
@@ -164,7 +164,7 @@ def test_messages_say_how_to_fix_it(results):
     by_name = {case["name"]: res["stderr"].strip().splitlines()[-1] for case, res, _, _ in results}
     assert "checkpoint.resume=auto" in by_name["non-empty output_dir without resume"]
     assert "relaunch on 4 processes" in by_name["resume from another world size"]
-    assert "sampling.group_size=4 in the checkpoint, 8 now" in by_name["resume from another preset"]
+    assert "sampling.group_size=8 in the checkpoint, 4 now" in by_name["resume from another preset"]
     assert "hf download" in by_name["missing reward model file"]
     assert "valid keys under sampling" in by_name["unknown nested key"]
     assert "not valid YAML (line " in by_name["malformed YAML"]

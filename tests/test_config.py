@@ -32,11 +32,11 @@ def test_every_preset_loads_and_splits(preset):
         assert lay.ds_train_batch_size == lay.micro_batch_size * lay.grad_accum_steps * world
 
 
-def test_tiny_preset_on_8_and_64_processes_with_smaller_micro_batches():
-    cfg = load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml", ["batch.micro_batch_size=4"])
-    assert derive_layout(cfg, 8).samples_per_rank == 4
-    cfg = load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml",
-                      ["batch.micro_batch_size=1", "batch.prompts_per_step=8"])
+def test_tiny_preset_on_8_and_64_processes():
+    """As its header says: valid as it is on 1, 2 and 8 processes, and on 64 with micro-batch 1."""
+    cfg = load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml")
+    assert [derive_layout(cfg, n).samples_per_rank for n in (1, 2, 8)] == [64, 32, 8]
+    cfg = load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml", ["batch.micro_batch_size=1"])
     assert derive_layout(cfg, 64).samples_per_rank == 1
 
 
@@ -143,3 +143,13 @@ def test_ds_config_with_batch_fields_is_rejected(tmp_path):
     cfg = load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml")
     with pytest.raises(ConfigError, match="sets train_batch_size; remove it"):
         load_ds_config(str(p), cfg, derive_layout(cfg, 1))
+
+
+@pytest.mark.parametrize("value", ["6", "128", "-8"])
+def test_rollout_micro_batch_must_be_a_dividing_multiple_of_the_update_micro_batch(value):
+    # tiny preset: micro-batch 8, 32 images per process on 2 processes
+    cfg = load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml", [f"batch.rollout_micro_batch_size={value}"])
+    with pytest.raises(ConfigError, match="^batch.rollout_micro_batch_size: "):
+        derive_layout(cfg, 2)
+    assert derive_layout(load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml",
+                                     ["batch.rollout_micro_batch_size=16"]), 2).rollout_micro_batch_size == 16

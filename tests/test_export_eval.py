@@ -30,13 +30,14 @@ from tests.runctl import Run, max_abs_diff, tiny_run, torchrun, trained_weights
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["a red circle on a cyan background", "a blue square on a yellow background"]
+SEEDS = 2  # logging.eval_seeds: image j shows prompt j % 2 from eval noise j
 LORA = "recipes/configs/tiny/grpo_lora.yaml"
 FULL = "recipes/configs/tiny/grpo_full.yaml"
 
 
 def _overrides(tmp, name: str, extra: list[str]) -> list[str]:
     return [*tiny_run(tmp), f"data.eval_prompts={tmp / 'heldout.txt'}", f"data.cache_dir={tmp / 'cache'}",
-            f"output_dir={tmp / name}", "logging.tensorboard=false", *extra]
+            f"output_dir={tmp / name}", "logging.tensorboard=false", f"logging.eval_seeds={SEEDS}", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -75,13 +76,14 @@ def pipe(model):
 
 
 def _diffusers_images(pipe: FluxPipeline, seed: int) -> torch.Tensor:
-    """FluxPipeline's own sampling (Euler = our eta = 0) from grpo.eval's starting noise for held-out prompt k."""
+    """FluxPipeline's own sampling (Euler = our eta = 0) from grpo.eval's starting noise of every eval image."""
     size = 2 * (64 // (pipe.vae_scale_factor * 2))
     channels = pipe.transformer.config.in_channels // 4
-    noise = torch.stack([initial_noise((channels, size, size), seed, 0, k, EVAL_NOISE) for k in range(len(PROMPTS))])
+    keys = range(len(PROMPTS) * SEEDS)
+    noise = torch.stack([initial_noise((channels, size, size), seed, 0, j, EVAL_NOISE) for j in keys])
     with torch.no_grad():
-        return pipe(prompt=PROMPTS, latents=pack(noise), height=64, width=64, num_inference_steps=4, guidance_scale=3.5,
-                    max_sequence_length=32, output_type="pt").images.float()
+        return pipe(prompt=PROMPTS * SEEDS, latents=pack(noise), height=64, width=64, num_inference_steps=4,
+                    guidance_scale=3.5, max_sequence_length=32, output_type="pt").images.float()
 
 
 def test_eval_scores_equal_the_recipes_own_evals(runs, evals):
@@ -92,6 +94,8 @@ def test_eval_scores_equal_the_recipes_own_evals(runs, evals):
         assert e["checkpoint"]["reward_mean"] == pytest.approx(r["evals"][last], abs=1e-5), name
         scores = json.loads((r["dir"] / "eval" / r["ckpt"].name / "scores.json").read_text())
         assert scores["prompts"] == PROMPTS and set(scores) >= {"base", "checkpoint"}
+        assert len(scores["base"]["per_prompt"]) == len(PROMPTS)
+        assert len(scores["base"]["components"]["tiny_world"]) == len(PROMPTS) * SEEDS
         assert (r["dir"] / "eval" / r["ckpt"].name / "grid.png").stat().st_size > 100
     assert evals["lora"]["checkpoint"]["weights"] == "ema" and evals["full"]["checkpoint"]["weights"] == "model"
 

@@ -78,3 +78,16 @@ def test_full_reference_engine_holds_only_its_shard(full_kl_runs):
     assert r["ref_local_numel"] <= r["ref_full_numel"] / 2 + 1000
     # Policy = reference until the first optimizer step; the second update block sees a real, positive KL.
     assert full_kl_runs[2]["stats"]["kl"] > 0
+
+
+def test_a_larger_rollout_micro_batch_changes_nothing_but_rounding(tmp_path, lora_runs):
+    """batch.rollout_micro_batch_size=8 with update micro-batch 4: the same trajectories, cut into the same update
+    micro-batches, so the same rewards and the same step up to the rounding of another matmul shape (none on this
+    CPU: oneDNN computes rows independently; cuBLAS/NPU kernels may differ by ~1e-7)."""
+    big = one_step(tmp_path, 2, "recipes/configs/tiny/grpo_lora.yaml",
+                   ["optim.lr=1e-2", "batch.rollout_micro_batch_size=8"])
+    ref = lora_runs[2]
+    assert big["stats"]["ratio_max_dev"] <= 1e-5, big["stats"]
+    torch.testing.assert_close(big["rewards"], ref["rewards"], rtol=0, atol=1e-6)
+    for name, w in ref["after"].items():
+        assert (big["after"][name] - w).norm() <= 1e-5 * w.norm(), name

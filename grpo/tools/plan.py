@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_leaves
 
 from grpo.config import LoraConfig, RecipeConfig, derive_layout, load_config
 from grpo.device import resolve_dtype
-from grpo.errors import ConfigError
+from grpo.errors import ConfigError, run_command
 from grpo.flux import enable_checkpointing
 
 GiB = 2**30
@@ -407,14 +407,16 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
         (host if zero["offload_param"] else resident)["reference"] = ref
 
     activations, backward = t.update_bytes(cfg.model.gradient_checkpointing)
-    rollout_peak = t.no_grad_peak
+    r = layout.rollout_micro_batch_size  # rollouts, reference and eval run without gradients at this micro-batch
+    rollout_peak = (t if r == m else transformer_trace(transformer_config, dtype, cfg.lora, r, image_tokens,
+                                                       text_tokens)).no_grad_peak
     largest_module = t.largest_module
 
     # VAE and rewards.
     vae_weights = vae_decode = 0
     if vae_config is not None:
         vdtype = resolve_dtype(cfg.model.dtype)
-        vae_weights, vae_decode = _vae_trace(json.dumps(vae_config, sort_keys=True), vdtype, m, latent)
+        vae_weights, vae_decode = _vae_trace(json.dumps(vae_config, sort_keys=True), vdtype, r, latent)  # eval: r
     if not cfg.model.offload_vae:
         resident["VAE"] = vae_weights
     reward_resident, reward_visiting, reward_notes = _reward_bytes(cfg.rewards)
@@ -488,48 +490,54 @@ def report(p: Plan, memory: int, headroom: float) -> list[str]:
 
 
 def candidate_changes(cfg: RecipeConfig) -> list[tuple[str, list[str]]]:
-    """Changes that lower the peak, in the order worth trying, as recipe overrides."""
+    """Changes that lower the peak, as recipe overrides, cheapest first: those that keep the algorithm and cost
+    nothing or little time, then CPU offload (host memory and transfer time), then LoRA (changes what is trained)."""
     out: list[tuple[str, list[str]]] = []
-    if cfg.lora is None:
-        out.append(("LoRA instead of a full fine-tune", ["lora.rank=128"]))
     if cfg.model.gradient_checkpointing is not True and cfg.model.gradient_checkpointing != 1:
         out.append(("checkpoint every block", ["model.gradient_checkpointing=true"]))
-    if cfg.deepspeed.gather_for_rollout:
-        out.append(("layer-wise rollouts (no full gather)", ["deepspeed.gather_for_rollout=false"]))
-    if Path(cfg.deepspeed.config).name != Path(OFFLOAD_CONFIG).name:
-        out.append(("ZeRO-3 CPU offload of optimizer and params", [f"deepspeed.config={OFFLOAD_CONFIG}"]))
     if not cfg.model.offload_vae:
         out.append(("VAE offloaded between decodes", ["model.offload_vae=true"]))
     for name, spec in cfg.rewards.items():
         if isinstance(spec, dict) and not spec.get("offload") and name.split("@", 1)[0] in REWARD_BACKBONE:
             out.append((f"reward {name} offloaded between scorings", [f"rewards.{name}.offload=true"]))
+    if cfg.deepspeed.gather_for_rollout:
+        out.append(("layer-wise rollouts (no full gather)", ["deepspeed.gather_for_rollout=false"]))
+    if cfg.batch.rollout_micro_batch > cfg.batch.micro_batch_size:
+        out.append(("rollouts at the update's micro-batch", ["batch.rollout_micro_batch_size=null"]))
     mb = cfg.batch.micro_batch_size
     while mb > 1:
         mb //= 2
         out.append((f"micro-batch {mb}", [f"batch.micro_batch_size={mb}"]))
+    if Path(cfg.deepspeed.config).name != Path(OFFLOAD_CONFIG).name:
+        out.append(("ZeRO-3 CPU offload of optimizer and params", [f"deepspeed.config={OFFLOAD_CONFIG}"]))
+    if cfg.lora is None:
+        out.append(("LoRA instead of a full fine-tune", ["lora.rank=128"]))
     return out
 
 
 def advise(config: str | None, overrides: list[str], devices: int, memory: int, headroom: float) -> list[str]:
-    """Each candidate change alone, then the cheapest cumulative set that fits."""
+    """Each candidate change alone; those that fit alone; else the candidates accumulated in order until it fits."""
     budget = memory * (1 - headroom)
-    lines = ["", "what each change gives (peak per device):"]
+    lines = ["", "what each change gives alone (peak per device):"]
+    alone_fits: list[str] = []
     applied: list[str] = []
-    fitted = None
+    together = None
     for label, change in candidate_changes(load_config(config, overrides)):
         try:
-            alone = plan(load_config(config, [*overrides, *change]), devices).peak
-            together = plan(load_config(config, [*overrides, *applied, *change]), devices).peak
+            peak = plan(load_config(config, [*overrides, *change]), devices).peak
+            if together is None or together > budget:
+                together = plan(load_config(config, [*overrides, *applied, *change]), devices).peak
+                applied += change
         except ConfigError as e:  # e.g. a micro-batch that no longer divides the per-rank batch
             lines.append(f"  {' '.join(change):<52} not valid here: {e}")
             continue
-        lines.append(f"  {' '.join(change):<52} {alone / GiB:8.2f} GiB  ({label})")
-        if fitted is None:
-            applied += change
-            if together <= budget:
-                fitted = together
-    if fitted is not None:
-        lines.append(f"to fit: {' '.join(applied)}  -> peak {fitted / GiB:.2f} GiB")
+        lines.append(f"  {' '.join(change):<52} {peak / GiB:8.2f} GiB  ({label})")
+        if peak <= budget:
+            alone_fits.append(" ".join(change))
+    if alone_fits:
+        lines.append("fits with any one of: " + " | ".join(alone_fits))
+    elif together is not None and together <= budget:
+        lines.append(f"fits with all of: {' '.join(applied)}  -> peak {together / GiB:.2f} GiB")
     else:
         lines.append("no combination of these changes fits: add devices or device memory")
     return lines
@@ -543,20 +551,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device-memory", required=True, help="memory of one device, e.g. 64GB")
     parser.add_argument("--headroom", type=float, default=0.1, help="share kept free for fragmentation/runtime")
     args = parser.parse_intermixed_args(argv)  # overrides may follow the options
-    try:
+
+    def body() -> str:
         memory = parse_bytes(args.device_memory)
         if args.devices < 1:
             raise ConfigError("--devices: must be >= 1")
-        cfg = load_config(args.config, args.overrides)
-        p = plan(cfg, args.devices)
+        p = plan(load_config(args.config, args.overrides), args.devices)
         lines = report(p, memory, args.headroom)
         if p.peak > memory * (1 - args.headroom):
             lines += advise(args.config, args.overrides, args.devices, memory, args.headroom)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print("\n".join(lines))
-    return 0
+        return "\n".join(lines)
+
+    return run_command(body)
 
 
 if __name__ == "__main__":
