@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     from grpo import device as dev
     from grpo import engine as eng
     from grpo.config import derive_layout
+    from grpo.inputs import load_ds_config
     from grpo.flux import make_conditioning, pack
     from grpo.loss import grpo_loss
     from grpo.rollout import SDEParams, sample, transition
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     tcfg = {k: v for k, v in tcfg.items() if not k.startswith("_")}
     cfg = recipe_config(args)
     layout = derive_layout(cfg, 1)
-    ds = eng.load_ds_config(cfg.deepspeed.config, cfg, layout)
+    ds = load_ds_config(cfg.deepspeed.config, cfg, layout)
     dtype = eng.precision(ds)
 
     t0 = time.perf_counter()

@@ -136,6 +136,7 @@ def worker_zero3(args, out: Path) -> None:
     from grpo import device as dev
     from grpo import engine as eng
     from grpo.config import derive_layout, load_config
+    from grpo.inputs import load_ds_config
     from grpo.flux import make_conditioning
     from grpo.rollout import SDEParams, sample
     from grpo.sde import shifted_sigmas
@@ -145,7 +146,7 @@ def worker_zero3(args, out: Path) -> None:
     cfg = load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml",
                       ["batch.prompts_per_step=2", f"sampling.group_size={args.batch}",
                        f"batch.micro_batch_size={args.batch}", "deepspeed.config=ds_configs/zero3_fp32.json"])
-    ds = eng.load_ds_config(cfg.deepspeed.config, cfg, derive_layout(cfg, info.world_size))
+    ds = load_ds_config(cfg.deepspeed.config, cfg, derive_layout(cfg, info.world_size))
     engine, _ = eng.build_policy(build_transformer(tcfg), cfg, ds)
     init, embeds, pooled, latent = _inputs(tcfg, args.batch, args.resolution, args.text_tokens, info.device,
                                            seed=info.rank)

@@ -90,6 +90,7 @@ def deepspeed_engine(tcfg: dict, it: Iteration, steps: int):
     from grpo import device as dev
     from grpo import engine as eng
     from grpo.config import derive_layout, load_config
+    from grpo.inputs import load_ds_config
 
     dev.init_distributed()
     cfg = load_config(ROOT / "recipes/configs/tiny/grpo_full.yaml",
@@ -98,7 +99,7 @@ def deepspeed_engine(tcfg: dict, it: Iteration, steps: int):
                        "grpo.timestep_fraction=0.6", "optim.lr=1e-5", "deepspeed.config=ds_configs/zero3_fp32.json"])
     layout = derive_layout(cfg, 1)
     assert layout.grad_accum_steps == it.k, (layout.grad_accum_steps, it.k)
-    engine, _ = eng.build_policy(build_transformer(tcfg), cfg, eng.load_ds_config(cfg.deepspeed.config, cfg, layout))
+    engine, _ = eng.build_policy(build_transformer(tcfg), cfg, load_ds_config(cfg.deepspeed.config, cfg, layout))
     return engine
 
 

@@ -52,10 +52,10 @@ def recipe_config(yaml: str, kl: float, extra: list[str] = ()):
 def filled_ds(cfg, world: int, one_step: bool = True) -> dict:
     """The recipe's DeepSpeed config; one_step: accumulation 1, so a single backward already steps the optimizer
     (its state exists only after a step)."""
-    from grpo import engine as eng
     from grpo.config import derive_layout
+    from grpo.inputs import load_ds_config
 
-    ds = eng.load_ds_config(cfg.deepspeed.config, cfg, derive_layout(cfg, world))
+    ds = load_ds_config(cfg.deepspeed.config, cfg, derive_layout(cfg, world))
     if one_step:
         ds.update(gradient_accumulation_steps=1, train_batch_size=ds["train_micro_batch_size_per_gpu"] * world)
     return ds

@@ -3,16 +3,12 @@
 Presets state *global* quantities (prompts per step, group size); everything per rank is derived from the world
 size by :func:`derive_layout`, so one preset runs on 1, 2, 8 or 64 processes. Every check here runs before any
 model is loaded, and every error is one line naming the setting and the fix.
-
-    python -m grpo.config --world-size N CONFIG [key=value ...]    # the start-up checks alone; exit 2 on a bad input
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
-import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from grpo.errors import ConfigError, run_command
+from grpo.errors import ConfigError
 
 
 @dataclass
@@ -509,51 +505,3 @@ def _validate_run_control(cfg: RecipeConfig) -> None:
     if cfg.faults.max_consecutive_skips < 1:
         raise ConfigError(f"faults.max_consecutive_skips: {cfg.faults.max_consecutive_skips}; use at least 1")
     _positive(cfg.faults.comm_timeout_s, "faults.comm_timeout_s", "e.g. 1800 (seconds)")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Start-up checks shared by the recipe and the launch scripts.
-
-
-def check_inputs(cfg: RecipeConfig, world_size: int) -> Layout:
-    """The recipe's start-up checks that need no model, accelerator or process group; returns the layout.
-
-    Batch arithmetic for `world_size`, prompt files, rewards (names, options, model files), wandb, and an empty
-    output_dir for a new run. launch/*.sh run these through `python -m grpo.config` before torchrun, which would turn
-    the recipe's exit code 2 into 1. Imports torch, but neither diffusers nor DeepSpeed.
-    """
-    from grpo import checkpoint, metrics, prompts  # they import this module
-    from grpo.rewards import check_rewards
-
-    layout = derive_layout(cfg, world_size)
-    prompts.read_prompt_file(cfg.data.train_prompts, "data.train_prompts")
-    if cfg.data.eval_prompts:
-        prompts.read_prompt_file(cfg.data.eval_prompts, "data.eval_prompts")
-    check_rewards(cfg.rewards)
-    metrics.check_wandb(cfg.logging.wandb)
-    # Only a new run's output_dir: resuming verifies every checkpoint file's hash (minutes for FLUX.1-dev), a job the
-    # recipe's ranks share, and `auto` may move a broken checkpoint aside, which a check must not do.
-    if cfg.checkpoint.resume is None:
-        checkpoint.resume_point(cfg, world_size)
-    return layout
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Run the recipe's start-up checks for a preset; exit 2 on bad input.")
-    parser.add_argument("--world-size", type=int, required=True, help="processes the run will have, over all nodes")
-    parser.add_argument("config", help="YAML preset, e.g. recipes/configs/tiny/grpo_lora.yaml")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. max_steps=10")
-    args = parser.parse_args(argv)
-    if args.world_size < 1:
-        print(f"error: --world-size: {args.world_size}; a run needs at least 1 process (launch/run.sh: set NPROC, "
-              "or make the devices visible)", file=sys.stderr)
-        return 2
-
-    def body() -> None:
-        check_inputs(load_config(args.config, args.overrides), args.world_size)
-
-    return run_command(body)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,40 +17,9 @@ import deepspeed
 import torch
 from peft import LoraConfig as PeftLoraConfig
 
-from grpo.config import Layout, RecipeConfig
+from grpo.config import RecipeConfig
 from grpo.errors import ConfigError
 from grpo.flux import enable_checkpointing
-
-_FILLED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping")
-
-
-def load_ds_config(path: str, cfg: RecipeConfig, layout: Layout) -> dict:
-    """Read a ds_configs/*.json file, check it, and fill the fields the recipe owns."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"deepspeed.config: {path} does not exist; use one of ds_configs/*.json")
-    try:
-        ds = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"deepspeed.config: {path} is not valid JSON (line {e.lineno}); fix the syntax") from None
-    stage = ds.get("zero_optimization", {}).get("stage")
-    if stage != 3:
-        raise ConfigError(f"deepspeed.config: {path} has zero_optimization.stage={stage}; these recipes need 3")
-    clash = [k for k in _FILLED if k in ds]
-    if clash:
-        raise ConfigError(
-            f"deepspeed.config: {path} sets {clash[0]}; remove it, the recipe derives it from batch.* and optim.*"
-        )
-    if "optimizer" in ds or "scheduler" in ds:
-        raise ConfigError(f"deepspeed.config: {path} declares an optimizer/scheduler; remove it, set optim.* instead")
-    ds.update(
-        train_micro_batch_size_per_gpu=layout.micro_batch_size,
-        gradient_accumulation_steps=layout.grad_accum_steps,
-        train_batch_size=layout.ds_train_batch_size,
-        gradient_clipping=cfg.optim.max_grad_norm,
-    )
-    return ds
-
 
 def precision(ds: dict) -> torch.dtype:
     """The dtype DeepSpeed keeps the module's (gathered) weights in."""

@@ -147,7 +147,8 @@ def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weight
     from grpo import engine as eng
     from grpo import export
     from grpo.config import derive_layout
-    from grpo.flux import load_parts, resolve_model_path
+    from grpo.flux import load_parts
+    from grpo.inputs import load_ds_config, resolve_model_path
     from grpo.metrics import save_grid
     from grpo.prompts import ensure_cache, load_cache, read_prompt_file
     from grpo.rewards import build_rewards, check_rewards, mix
@@ -155,7 +156,7 @@ def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weight
     if not cfg.data.eval_prompts:
         raise ConfigError("data.eval_prompts: null; grpo.eval needs a held-out prompt file, e.g. "
                           "assets/prompts/tiny_heldout.txt")
-    ds = eng.load_ds_config(cfg.deepspeed.config, cfg, derive_layout(cfg, 1))
+    ds = load_ds_config(cfg.deepspeed.config, cfg, derive_layout(cfg, 1))
     dtype = eng.precision(ds)
     model_path = resolve_model_path(cfg.model.path, cfg.model.revision)
     read_prompt_file(cfg.data.eval_prompts, "data.eval_prompts")

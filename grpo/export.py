@@ -159,7 +159,8 @@ def fused_state(state: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.T
     """Base transformer (the run's model.path) with the adapter merged: W + (alpha / r) * B @ A."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    from grpo.flux import load_transformer, resolve_model_path
+    from grpo.flux import load_transformer
+    from grpo.inputs import resolve_model_path
 
     cfg = meta["config"]["model"]
     model = load_transformer(resolve_model_path(cfg["path"], cfg.get("revision")), torch.float32)

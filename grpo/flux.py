@@ -6,43 +6,11 @@ black-forest-labs/FLUX.1-dev load and run through exactly the same code.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from diffusers.image_processor import VaeImageProcessor
-
-from grpo.errors import ConfigError
-
-def resolve_model_path(path: str, revision: str | None = None) -> str:
-    """Return a local folder for `path` (a local folder or a hub id), or raise a one-line ConfigError.
-
-    Hub ids resolve through the local Hugging Face cache; with HF_HUB_OFFLINE=1 nothing is downloaded.
-    """
-    if Path(path).is_dir():
-        if not (Path(path) / "model_index.json").is_file():
-            raise ConfigError(
-                f"model.path: {path} has no model_index.json; point it at a diffusers FLUX folder "
-                "(e.g. assets/tiny-flux or a downloaded black-forest-labs/FLUX.1-dev)"
-            )
-        return path
-    if path.count("/") != 1 or path.startswith((".", "/")):
-        raise ConfigError(f"model.path: {path} is not a folder; give a local diffusers folder or a hub id such as "
-                          "black-forest-labs/FLUX.1-dev")
-    from huggingface_hub import snapshot_download
-
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
-    try:
-        return snapshot_download(path, revision=revision, local_files_only=offline,
-                                 allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
-    except Exception as e:  # noqa: BLE001 -- any hub failure becomes one actionable line
-        raise ConfigError(
-            f"model.path: {path} is not a local folder and could not be found in the Hugging Face cache "
-            f"({type(e).__name__}); run `hf download {path}` on a machine with access, "
-            "or set model.path to a local folder"
-        ) from None
 
 
 @dataclass

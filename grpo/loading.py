@@ -137,9 +137,9 @@ def load_transformer_zero3(path: str, dtype: torch.dtype, ds_config: dict):
     """A FluxTransformer2DModel from `<path>/transformer`, partitioned by ZeRO-3 as it is built (collective).
 
     Args:
-        path: a local diffusers pipeline folder (see grpo.flux.resolve_model_path).
+        path: a local diffusers pipeline folder (see grpo.inputs.resolve_model_path).
         dtype: the precision of `ds_config` (zero.Init takes the dtype from the config; they must agree).
-        ds_config: the filled DeepSpeed config (grpo.engine.load_ds_config), stage 3.
+        ds_config: the filled DeepSpeed config (grpo.inputs.load_ds_config), stage 3.
 
     Returns:
         The model in eval mode, as from_pretrained returns it; its parameters are ZeRO-3 partitions.

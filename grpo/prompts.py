@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m grpo.prompts CONFIG [key=value ...]`: precompute the embedding caches of a preset."""
     from grpo.config import load_config
     from grpo.device import device_for_local_rank
-    from grpo.flux import resolve_model_path
+    from grpo.inputs import resolve_model_path
 
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):

@@ -60,19 +60,20 @@ from grpo import engine as eng
 from grpo import eval as evals
 from grpo import export, health
 from grpo.advantages import group_advantages
-from grpo.config import RecipeConfig, check_inputs, dump_config, load_config, to_dict, validate
+from grpo.config import RecipeConfig, dump_config, load_config, to_dict, validate
 from grpo.data import INIT_NOISE, prompts_for_step, step_noise_generator, trained_steps
 from grpo.distributed import gather_by_index
 from grpo.ema import ShardedEMA
 from grpo.errors import ConfigError
-from grpo.flux import decode, load_parts, resolve_model_path
+from grpo.flux import decode, load_parts
+from grpo.inputs import check_inputs
 from grpo.loading import transformer_loader
 from grpo.loss import grpo_loss
 from grpo.metrics import MetricsLogger, progress, save_grid
 from grpo.profiling import StepProfiler
 from grpo.prompts import ensure_cache, load_cache
 from grpo.rewards import build_rewards, finite_check, mix
-from grpo.rollout import SDEParams, Trajectories, sample, transition
+from grpo.rollout import SDEParams, sample, transition
 from grpo.sde import kl_same_std
 
 log = logging.getLogger("flux_grpo")
@@ -86,9 +87,8 @@ class FluxGRPORecipe:
         self.dist = dev.init_distributed(cfg.faults.comm_timeout_s)
         self.rank, self.world = self.dist.rank, self.dist.world_size
         self.device = self.dist.device
-        self.layout = check_inputs(cfg, self.world)  # what launch/*.sh check before torchrun: batch, files, output_dir
-        self.model_path = resolve_model_path(cfg.model.path, cfg.model.revision)
-        self.ds_config = eng.load_ds_config(cfg.deepspeed.config, cfg, self.layout)
+        inputs = check_inputs(cfg, self.world)  # what launch/*.sh check before torchrun: batch, files, output_dir
+        self.layout, self.model_path, self.ds_config = inputs.layout, inputs.model_path, inputs.ds_config
         self.dtype = eng.precision(self.ds_config)
         dev.check_dtype_supported(self.dtype, "deepspeed.config precision")
         self.out = Path(cfg.output_dir)

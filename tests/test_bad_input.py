@@ -202,10 +202,11 @@ def _one_error_line(stderr: str) -> str:
     return errors[0]
 
 
-@pytest.mark.parametrize("case", ["unknown key", "batch arithmetic of NPROC=3", "hostfile of 3 slots"])
+@pytest.mark.parametrize("case", ["unknown key", "batch arithmetic of NPROC=3", "hostfile of 3 slots",
+                                  "missing model folder", "missing deepspeed config"])
 def test_launch_scripts_exit_2_before_torchrun(tmp_path, case):
-    """The launchers run the recipe's start-up checks before starting any rank: torchrun and the DeepSpeed launcher
-    report a rank's exit code 2 as 1. 4 prompts x 8 images do not split over 3 processes; they do over 1, 2 or 4."""
+    """The launchers run the recipe's start-up checks (grpo.inputs) before starting any rank: torchrun and the
+    DeepSpeed launcher report a rank's exit code 2 as 1. 16 prompts x 4 images do not split over 3 processes."""
     out = tmp_path / "run"
     if case != "unknown key":
         out.mkdir()  # an existing empty output_dir stays empty
@@ -214,6 +215,12 @@ def test_launch_scripts_exit_2_before_torchrun(tmp_path, case):
         cmd, setting = ["bash", str(ROOT / "launch" / "run.sh"), LORA, "sampling.colour=red", *args], "sampling.colour"
     elif case == "batch arithmetic of NPROC=3":
         cmd, env["NPROC"] = ["bash", str(ROOT / "launch" / "run.sh"), LORA, *args], "3"
+    elif case == "missing model folder":
+        cmd = ["bash", str(ROOT / "launch" / "run.sh"), LORA, *args, f"model.path={tmp_path / 'no_model'}"]
+        setting = "model.path"
+    elif case == "missing deepspeed config":
+        cmd = ["bash", str(ROOT / "launch" / "run.sh"), LORA, *args, f"deepspeed.config={tmp_path / 'no.json'}"]
+        setting = "deepspeed.config"
     else:
         hostfile = tmp_path / "hostfile"
         hostfile.write_text("# one node\nlocalhost slots=3\n")

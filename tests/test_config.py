@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from grpo.config import derive_layout, load_config, trained_transitions
-from grpo.engine import load_ds_config
+from grpo.inputs import load_ds_config
 from grpo.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -132,13 +132,14 @@ import json, sys, torch
 from deepspeed.utils import safe_get_full_fp32_param
 from grpo import device as dev, engine as eng
 from grpo.config import derive_layout, load_config
+from grpo.inputs import load_ds_config
 from grpo.tools.plan import transformer_inputs
 from benchmarks._common import build_transformer, transformer_config
 dev.init_distributed()
 tcfg = transformer_config("tiny")
 for overrides in json.loads(sys.argv[2]):
     cfg = load_config(sys.argv[1], overrides)
-    ds = eng.load_ds_config(cfg.deepspeed.config, cfg, derive_layout(cfg, 1))
+    ds = load_ds_config(cfg.deepspeed.config, cfg, derive_layout(cfg, 1))
     ds.update(gradient_accumulation_steps=1, train_batch_size=ds["train_micro_batch_size_per_gpu"])
     engine, _ = eng.build_policy(build_transformer(tcfg), cfg, ds)
     train = [p for p in engine.module.parameters() if p.requires_grad]
