@@ -175,8 +175,7 @@ class FluxGRPORecipe:
             "updates/step %d | trained transitions/trajectory %d of %d | backward passes per optimizer step %d",
             lay.world_size, lay.samples_per_step, self.cfg.batch.prompts_per_step, self.cfg.sampling.group_size,
             lay.samples_per_rank, lay.micro_batch_size, lay.rollout_micro_batch_size, lay.updates_per_step,
-            lay.trained_transitions,
-            self.cfg.sampling.num_steps - 1, lay.grad_accum_steps,
+            lay.trained_transitions, self.cfg.sampling.num_steps - 1, lay.grad_accum_steps,
         )
 
     # ------------------------------------------------------------------------------------------------ train

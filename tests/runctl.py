@@ -20,9 +20,11 @@ import psutil
 
 from tests.helpers import ROOT, TINY, free_port
 
-# Minimal tiny-run settings shared by the checkpoint/fault/export tests (8 images per step on 2 processes).
+# Minimal tiny-run settings shared by the checkpoint/fault/export tests (8 images per step on 2 processes, one
+# micro-batch per rank, one trained transition per trajectory: the fault tests count non-finite losses per backward).
 SMALL = [
     "batch.prompts_per_step=2", "sampling.group_size=4", "batch.micro_batch_size=4", "sampling.num_steps=4",
+    "grpo.timestep_fraction=0.5",
     "sampling.shift=dynamic", "deepspeed.config=ds_configs/zero3_fp32.json", "logging.progress=false",
 ]
 
