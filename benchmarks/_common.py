@@ -30,6 +30,24 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def add_workload_args(parser, repeats: int, smoke_steps: int) -> None:
+    """The CPU benchmarks' shared workload: transformer preset, micro-batch, steps, resolution, text tokens, repeats,
+    and --smoke (tiny model, `smoke_steps` steps, 1 repeat: a test of the script). Apply with `smoke_workload`."""
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--resolution", type=int, default=128)
+    parser.add_argument("--text-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--smoke", action="store_const", const=smoke_steps, default=0,
+                        help=f"tiny model, {smoke_steps} steps, 1 repeat (tests the script)")
+
+
+def smoke_workload(args) -> None:
+    if args.smoke:
+        args.preset, args.batch, args.steps, args.resolution, args.repeats = "tiny", 2, args.smoke, 64, 1
+
+
 def transformer_config(preset: str) -> dict:
     cfg = json.loads((TINY / "transformer" / "config.json").read_text())
     return {k: v for k, v in {**cfg, **PRESETS[preset]}.items() if not k.startswith("_")}

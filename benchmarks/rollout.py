@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks._common import ROOT, TINY, build_transformer, sync, torchrun, transformer_config  # noqa: E402
+from benchmarks._common import (ROOT, TINY, add_workload_args, build_transformer, smoke_workload, sync,  # noqa: E402
+                                torchrun, transformer_config)
 
 
 def _inputs(tcfg: dict, batch: int, resolution: int, text_tokens: int, device: torch.device, seed: int = 0):
@@ -175,19 +176,12 @@ def worker_zero3(args, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="small")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--resolution", type=int, default=128)
-    parser.add_argument("--text-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=5)
+    add_workload_args(parser, repeats=5, smoke_steps=2)
     parser.add_argument("--skip-zero3", action="store_true")
-    parser.add_argument("--smoke", action="store_true", help="tiny model, 2 steps, 1 repeat (tests the script)")
     parser.add_argument("--worker", choices=["zero3"], help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.smoke:
-        args.preset, args.batch, args.steps, args.resolution, args.repeats = "tiny", 2, 2, 64, 1
+    smoke_workload(args)
     if args.worker == "zero3":
         worker_zero3(args, args.out)
         return 0

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks._common import (ROOT, build_transformer, count_flops, matmul_flops, sync,  # noqa: E402
-                                transformer_config)
+from benchmarks._common import (ROOT, add_workload_args, build_transformer, count_flops, matmul_flops,  # noqa: E402
+                                smoke_workload, sync, transformer_config)
 
 
 class Iteration:
@@ -129,16 +129,9 @@ def profile_table(fn, rows: int = 10) -> tuple[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="small")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--resolution", type=int, default=128)
-    parser.add_argument("--text-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--smoke", action="store_true", help="tiny model, 3 steps, 1 repeat (tests the script)")
+    add_workload_args(parser, repeats=2, smoke_steps=3)
     args = parser.parse_args(argv)
-    if args.smoke:
-        args.preset, args.batch, args.steps, args.resolution, args.repeats = "tiny", 2, 3, 64, 1
+    smoke_workload(args)
     device = torch.device("cpu")
     tcfg = transformer_config(args.preset)
     it = Iteration(tcfg, args.batch, args.steps, args.resolution, args.text_tokens, device)

@@ -133,19 +133,26 @@ def test_tiny_flux_matches_cpu_and_attention_backends_agree(kind: str):
         assert out["fused_rel"] < 2e-2  # npu_fusion_attention vs SDPA, both bf16
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not TINY.exists(), reason="assets/tiny-flux not built")
-@pytest.mark.parametrize("kind", KINDS)
-def test_tiny_recipe_runs(kind: str, tmp_path: Path):
+def _tiny_recipe(kind: str, tmp_path: Path, *overrides: str) -> Path:
+    """Two bf16 steps of the tiny LoRA preset on the device, one process; returns its output_dir."""
     out_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(DS_ACCELERATOR=kind, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
     proc = subprocess.run(
         [sys.executable, "recipes/flux_grpo.py", "--config", "recipes/configs/tiny/grpo_lora.yaml", "max_steps=2",
-         f"output_dir={out_dir}", f"data.cache_dir={tmp_path}/cache", "deepspeed.config=ds_configs/zero3.json"],
+         f"output_dir={out_dir}", f"data.cache_dir={tmp_path}/cache", "deepspeed.config=ds_configs/zero3.json",
+         *overrides],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=1200,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out_dir
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not TINY.exists(), reason="assets/tiny-flux not built")
+@pytest.mark.parametrize("kind", KINDS)
+def test_tiny_recipe_runs(kind: str, tmp_path: Path):
+    out_dir = _tiny_recipe(kind, tmp_path)
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward_mean"] for r in rows if "reward_mean" in r]
     assert len(rewards) == 2 and all(0.0 <= r <= 1.0 for r in rewards)
@@ -196,16 +203,7 @@ def test_align_device_against_cpu(kind: str, tmp_path: Path):
 @pytest.mark.parametrize("kind", KINDS)
 def test_profiler_on_device(kind: str, tmp_path: Path):
     """profile.steps traces step 1 with the device's profiler: torch_npu's *_ascend_pt folder, or CUDA kernels."""
-    out_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(DS_ACCELERATOR=kind, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
-    proc = subprocess.run(
-        [sys.executable, "recipes/flux_grpo.py", "--config", "recipes/configs/tiny/grpo_lora.yaml", "max_steps=2",
-         "profile.steps=[1]", f"output_dir={out_dir}", f"data.cache_dir={tmp_path}/cache", "data.eval_prompts=null",
-         "deepspeed.config=ds_configs/zero3.json"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=1200,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    out_dir = _tiny_recipe(kind, tmp_path, "profile.steps=[1]", "data.eval_prompts=null")
     if kind == "npu":
         assert list((out_dir / "profile" / "step00001").glob("*_ascend_pt")), list((out_dir / "profile").rglob("*"))
     else:
