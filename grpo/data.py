@@ -56,3 +56,8 @@ def trained_steps(num_transitions: int, k: int, seed: int, step: int, chunk_id: 
     """
     perm = torch.randperm(num_transitions, generator=generator(seed, step, chunk_id, TIMESTEPS))
     return sorted(perm[:k].tolist())
+
+
+def micro_batches(ids: list[int], size: int) -> list[list[int]]:
+    """`ids` cut into consecutive micro-batches of `size` (the last one shorter when size does not divide)."""
+    return [ids[i : i + size] for i in range(0, len(ids), size)]

@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO-3 engines for the policy (full or LoRA) and the reference, and gathered exports.
+"""DeepSpeed ZeRO-3 pieces around the recipe's policy engine: LoRA adapters, the reference engine, gathered forwards
+and exports. The policy's optimizer, LR schedule and ``deepspeed.initialize`` are in the recipe (build_policy).
 
 The JSON files in ds_configs/ hold sharding, offload and precision; the batch, accumulation and clipping fields
 come from the recipe config (one source of truth) and are filled in here. Only the Flux transformer goes through
@@ -17,9 +18,9 @@ import deepspeed
 import torch
 from peft import LoraConfig as PeftLoraConfig
 
-from grpo.config import RecipeConfig
+from grpo.config import LoraConfig
 from grpo.errors import ConfigError
-from grpo.flux import enable_checkpointing
+
 
 def precision(ds: dict) -> torch.dtype:
     """The dtype DeepSpeed keeps the module's (gathered) weights in."""
@@ -30,17 +31,17 @@ def precision(ds: dict) -> torch.dtype:
     return torch.float32
 
 
-def add_lora(transformer: torch.nn.Module, cfg: RecipeConfig) -> None:
+def add_lora(transformer: torch.nn.Module, lora: LoraConfig) -> None:
     """Freeze the base and add a PEFT adapter (diffusers' PeftAdapterMixin keeps disable_adapters() available)."""
-    check_lora_targets(transformer, cfg.lora.target_modules)
+    check_lora_targets(transformer, lora.target_modules)
     transformer.requires_grad_(False)
     transformer.add_adapter(
         PeftLoraConfig(
-            r=cfg.lora.rank,
-            lora_alpha=cfg.lora.alpha,
-            lora_dropout=cfg.lora.dropout,
-            init_lora_weights=cfg.lora.init,
-            target_modules=cfg.lora.target_modules,
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            init_lora_weights=lora.init,
+            target_modules=lora.target_modules,
         )
     )
 
@@ -53,24 +54,6 @@ def check_lora_targets(transformer: torch.nn.Module, targets: list[str]) -> None
         if not any(n == target or n.endswith(f".{target}") for n in names):  # PEFT's rule for a list of names
             raise ConfigError(f"lora.target_modules: {target!r} matches no module of the transformer; use module "
                               "names such as to_q, to_k, to_v, to_out.0 (see transformer.named_modules())")
-
-
-def build_policy(transformer: torch.nn.Module, cfg: RecipeConfig, ds: dict):
-    """Wrap the transformer (LoRA or full) in a ZeRO-3 training engine with AdamW and a warmup schedule."""
-    if cfg.lora is not None:
-        add_lora(transformer, cfg)
-    else:
-        transformer.requires_grad_(True)
-    enable_checkpointing(transformer, cfg.model.gradient_checkpointing)
-    params = [p for p in transformer.parameters() if p.requires_grad]
-    o = cfg.optim
-    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-    warmup = max(o.warmup_steps, 0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
-    engine, _, _, scheduler = deepspeed.initialize(
-        model=transformer, optimizer=optimizer, lr_scheduler=scheduler, config=ds
-    )
-    return engine, scheduler
 
 
 def build_reference(transformer: torch.nn.Module, ds: dict):

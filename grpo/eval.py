@@ -18,59 +18,17 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from grpo.config import RecipeConfig, SamplingConfig
-from grpo.data import EVAL_NOISE, initial_noise
+from grpo.config import RecipeConfig
+from grpo.data import EVAL_NOISE, micro_batches
 from grpo.errors import ConfigError, run_command
-from grpo.flux import Conditioning, decode, make_conditioning, pack
 from grpo.prompts import PromptCache
-from grpo.rollout import SDEParams, sample
-from grpo.sde import dynamic_sigmas, shifted_sigmas
+from grpo.rollout import FluxSampler
 
 log = logging.getLogger(__name__)
-
-
-def schedule(s: SamplingConfig, latent_size: int, scheduler_config: dict) -> torch.Tensor:
-    """The sigma schedule [num_steps + 1] of a preset: a static time shift, or diffusers' dynamic one."""
-    if s.shift == "dynamic":
-        return dynamic_sigmas(s.num_steps, (latent_size // 2) ** 2, scheduler_config)
-    return shifted_sigmas(s.num_steps, float(s.shift))
-
-
-@dataclass
-class ImageSampler:
-    """Everything that turns prompt embeddings and seeds into images, except the transformer."""
-
-    vae: torch.nn.Module
-    vae_scale_factor: int
-    latent_size: int
-    latent_channels: int
-    guidance_embeds: bool
-    sigmas: torch.Tensor  # [num_steps + 1]
-    cfg: RecipeConfig
-    device: torch.device
-    dtype: torch.dtype  # the transformer's
-
-    def chunks(self, ids: list[int]) -> list[list[int]]:
-        m = self.cfg.batch.rollout_micro_batch  # no gradients: the rollout's micro-batch
-        return [ids[i : i + m] for i in range(0, len(ids), m)]
-
-    def conditioning(self, cache: PromptCache, prompt_idx: list[int]) -> Conditioning:
-        return make_conditioning(cache.prompt_embeds[prompt_idx], cache.pooled[prompt_idx], self.latent_size,
-                                 self.cfg.sampling.guidance, self.guidance_embeds, self.device, self.dtype)
-
-    def initial_latents(self, step: int, keys: list[int], stream: int) -> torch.Tensor:
-        """Packed float32 starting noise [B, S, C], one pure function of (seed, step, key, stream) per row."""
-        shape = (self.latent_channels, self.latent_size, self.latent_size)
-        noise = torch.stack([initial_noise(shape, self.cfg.seed, step, k, stream) for k in keys])
-        return pack(noise).to(self.device)
-
-    def decode(self, x0: torch.Tensor) -> torch.Tensor:
-        return decode(self.vae, x0, self.cfg.sampling.resolution, self.vae_scale_factor)
 
 
 def eval_images(cache: PromptCache, cfg: RecipeConfig) -> int:
@@ -83,27 +41,26 @@ def _prompt_of(cache: PromptCache, ids: list[int]) -> list[int]:
 
 
 @torch.no_grad()
-def sample_heldout(model: torch.nn.Module, sampler: ImageSampler, cache: PromptCache,
-                   ids: list[int]) -> list[torch.Tensor]:
-    """ODE samples of eval images `ids` (see the module docstring), micro-batch by micro-batch; returns the x0
-    latents of each chunk."""
-    ode = SDEParams(0.0, sampler.cfg.sampling.sde)
-    return [sample(model, sampler.conditioning(cache, _prompt_of(cache, chunk)),
-                   sampler.initial_latents(0, chunk, EVAL_NOISE), sampler.sigmas, ode).x0
-            for chunk in sampler.chunks(ids)]
+def sample_heldout(model: torch.nn.Module, sampler: FluxSampler, cache: PromptCache, ids: list[int],
+                   micro_batch: int) -> list[torch.Tensor]:
+    """ODE samples of eval images `ids` (see the module docstring), in micro-batches of `micro_batch` (the rollout
+    micro-batch); returns the x0 latents of each micro-batch."""
+    return [sampler.sample(model, sampler.conditioning(cache, _prompt_of(cache, chunk)),
+                           sampler.initial_latents(0, chunk, EVAL_NOISE), eta=0.0).x0
+            for chunk in micro_batches(ids, micro_batch)]
 
 
 @torch.no_grad()
-def score_heldout(sampler: ImageSampler, rewards, cache: PromptCache, ids: list[int],
-                  x0: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode the chunks of :func:`sample_heldout` and score them.
+def score_heldout(sampler: FluxSampler, rewards, cache: PromptCache, ids: list[int], x0: list[torch.Tensor],
+                  micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode the micro-batches of :func:`sample_heldout` and score them.
 
     Returns:
         images [len(ids), 3, H, W] in [0, 1] and raw reward components [len(ids), R] (float32).
     """
     images, scores = [], []
     with rewards.on_device():
-        for chunk, latents in zip(sampler.chunks(ids), x0):
+        for chunk, latents in zip(micro_batches(ids, micro_batch), x0):
             im = sampler.decode(latents)
             scores.append(rewards(im, [cache.prompts[i] for i in _prompt_of(cache, chunk)]).float())
             images.append(im)
@@ -156,7 +113,8 @@ def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weight
     if not cfg.data.eval_prompts:
         raise ConfigError("data.eval_prompts: null; grpo.eval needs a held-out prompt file, e.g. "
                           "assets/prompts/tiny_heldout.txt")
-    ds = load_ds_config(cfg.deepspeed.config, cfg, derive_layout(cfg, 1))
+    layout = derive_layout(cfg, 1)
+    ds = load_ds_config(cfg.deepspeed.config, cfg, layout)
     dtype = eng.precision(ds)
     model_path = resolve_model_path(cfg.model.path, cfg.model.revision)
     read_prompt_file(cfg.data.eval_prompts, "data.eval_prompts")
@@ -177,15 +135,14 @@ def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weight
     parts = load_parts(model_path, vae_dtype=dev.resolve_dtype(cfg.model.dtype), transformer_dtype=dtype)
     model = parts.transformer.to(device).eval()
     dev.set_attention_backend(model, cfg.model.attention_backend)
-    latent_size = parts.latent_size(cfg.sampling.resolution)
-    sampler = ImageSampler(parts.vae.to(device), parts.vae_scale_factor, latent_size,
-                           model.config.in_channels // 4, model.config.guidance_embeds,
-                           schedule(cfg.sampling, latent_size, parts.scheduler_config), cfg, device, dtype)
+    sampler = FluxSampler.from_parts(parts, parts.vae.to(device), cfg.sampling, cfg.seed, device, dtype)
+    micro = layout.rollout_micro_batch_size
     rewards = build_rewards(cfg.rewards, device)
     ids = list(range(eval_images(cache, cfg)))
 
     def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        images, comps = score_heldout(sampler, rewards, cache, ids, sample_heldout(model, sampler, cache, ids))
+        x0 = sample_heldout(model, sampler, cache, ids, micro)
+        images, comps = score_heldout(sampler, rewards, cache, ids, x0, micro)
         return images, comps, mix(comps, rewards.weights.to(comps.device), None, False)
 
     base_images, base_comps, base_total = run()

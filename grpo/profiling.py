@@ -15,13 +15,41 @@ Profiling costs time (NPU trace parsing can take minutes), so profile a few step
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+
+class PhaseClock:
+    """Wall time of the named parts of a step; `outer(name)`, when given, is entered around each part as well (the
+    tools' recording windows)."""
+
+    def __init__(self, outer: Callable[[str], contextlib.AbstractContextManager] | None = None):
+        self.outer = outer
+        self.seconds: dict[str, float] = {}
+        self._first: float | None = None
+        self._last = 0.0
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        self._first = start if self._first is None else self._first
+        with self.outer(name) if self.outer is not None else contextlib.nullcontext():
+            yield
+        self._last = time.perf_counter()
+        self.seconds[name] = self._last - start
+
+    @property
+    def total(self) -> float:
+        """From the start of the first part to the end of the last."""
+        return self._last - self._first
 
 
 class StepProfiler:

@@ -1,4 +1,5 @@
-"""Batched SDE (or ODE) rollouts that record what the GRPO update needs, and the update's log-prob recomputation.
+"""The sampler: batched SDE (or ODE) rollouts that record what the GRPO update needs, and the update's log-prob
+recomputation. The recipe's rollouts and the held-out eval both sample through :class:`FluxSampler`.
 
 Why the first-pass ratio is exactly 1 at any batch size: the update recomputes the log-prob of a transition with
 the same micro-batch (same samples, same order, same shapes), the same stored float32 latents, the same timestep
@@ -14,8 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo.flux import Conditioning, velocity
-from grpo.sde import StepOut, predicted_x0, sde_step
+from grpo.config import SamplingConfig
+from grpo.data import INIT_NOISE, initial_noise
+from grpo.flux import Conditioning, FluxParts, decode, make_conditioning, pack, velocity
+from grpo.prompts import PromptCache
+from grpo.sde import StepOut, dynamic_sigmas, predicted_x0, sde_step, shifted_sigmas
 
 
 @dataclass
@@ -82,3 +86,62 @@ def transition(model: torch.nn.Module, cond: Conditioning, traj_latents: torch.T
     x, x_next = traj_latents[:, i], traj_latents[:, i + 1]
     v = velocity(model, x, timestep(sigmas, i, x.shape[0]).to(x.device), cond)
     return sde.step(x, v, sigmas, i, prev_sample=x_next)
+
+
+def schedule(s: SamplingConfig, latent_size: int, scheduler_config: dict) -> torch.Tensor:
+    """The sigma schedule [num_steps + 1] of a preset: a static time shift, or diffusers' dynamic one (the only one
+    with which sampling reproduces FluxPipeline, whose default is the dynamic shift)."""
+    if s.shift == "dynamic":
+        return dynamic_sigmas(s.num_steps, (latent_size // 2) ** 2, scheduler_config)
+    return shifted_sigmas(s.num_steps, float(s.shift))
+
+
+@dataclass
+class FluxSampler:
+    """Everything that turns prompt embeddings and seeds into trajectories and images, except the transformer."""
+
+    vae: torch.nn.Module
+    vae_scale_factor: int
+    latent_size: int
+    latent_channels: int
+    guidance_embeds: bool
+    sigmas: torch.Tensor  # [num_steps + 1]
+    sde: SDEParams
+    resolution: int
+    guidance: float
+    seed: int
+    device: torch.device
+    dtype: torch.dtype  # the transformer's
+
+    @classmethod
+    def from_parts(cls, parts: FluxParts, vae: torch.nn.Module, s: SamplingConfig, seed: int, device: torch.device,
+                   dtype: torch.dtype) -> "FluxSampler":
+        """`vae`: parts.vae where it should live (on the device, or on the host when offloaded)."""
+        config = parts.transformer.config
+        latent_size = parts.latent_size(s.resolution)
+        return cls(vae, parts.vae_scale_factor, latent_size, config.in_channels // 4, config.guidance_embeds,
+                   schedule(s, latent_size, parts.scheduler_config), SDEParams(s.eta, s.sde), s.resolution,
+                   s.guidance, seed, device, dtype)
+
+    def conditioning(self, cache: PromptCache, prompt_idx: list[int]) -> Conditioning:
+        return make_conditioning(cache.prompt_embeds[prompt_idx], cache.pooled[prompt_idx], self.latent_size,
+                                 self.guidance, self.guidance_embeds, self.device, self.dtype)
+
+    def initial_latents(self, step: int, keys: list[int], stream: int = INIT_NOISE) -> torch.Tensor:
+        """Packed float32 starting noise [B, S, C], one pure function of (seed, step, key, stream) per row."""
+        shape = (self.latent_channels, self.latent_size, self.latent_size)
+        noise = torch.stack([initial_noise(shape, self.seed, step, k, stream) for k in keys])
+        return pack(noise).to(self.device)
+
+    def sample(self, model: torch.nn.Module, cond: Conditioning, init_latents: torch.Tensor,
+               noise_generators: list[torch.Generator] | None = None, eta: float | None = None) -> Trajectories:
+        """:func:`sample` along this sampler's schedule; `eta` overrides the preset's (0 = ODE, as in eval)."""
+        sde = self.sde if eta is None else SDEParams(eta, self.sde.kind)
+        return sample(model, cond, init_latents, self.sigmas, sde, noise_generators)
+
+    def transition(self, model: torch.nn.Module, cond: Conditioning, latents: torch.Tensor, i: int) -> StepOut:
+        """:func:`transition` i of stored trajectory `latents` along this sampler's schedule."""
+        return transition(model, cond, latents, self.sigmas, i, self.sde)
+
+    def decode(self, x0: torch.Tensor) -> torch.Tensor:
+        return decode(self.vae, x0, self.resolution, self.vae_scale_factor)

@@ -48,9 +48,9 @@ import contextlib
 import dataclasses
 import logging
 import sys
-import time
 from pathlib import Path
 
+import deepspeed
 import torch
 import torch.distributed as dist
 
@@ -61,22 +61,43 @@ from grpo import eval as evals
 from grpo import export, health
 from grpo.advantages import group_advantages
 from grpo.config import RecipeConfig, dump_config, load_config, to_dict, validate
-from grpo.data import INIT_NOISE, prompts_for_step, step_noise_generator, trained_steps
+from grpo.data import micro_batches, prompts_for_step, step_noise_generator, trained_steps
 from grpo.distributed import gather_by_index
 from grpo.ema import ShardedEMA
 from grpo.errors import ConfigError
-from grpo.flux import decode, load_parts
+from grpo.flux import enable_checkpointing, load_parts
 from grpo.inputs import check_inputs
 from grpo.loading import transformer_loader
 from grpo.loss import grpo_loss
 from grpo.metrics import MetricsLogger, progress, save_grid
-from grpo.profiling import StepProfiler
+from grpo.profiling import PhaseClock, StepProfiler
 from grpo.prompts import ensure_cache, load_cache
 from grpo.rewards import build_rewards, finite_check, mix
-from grpo.rollout import SDEParams, sample, transition
+from grpo.rollout import FluxSampler
 from grpo.sde import kl_same_std
+from grpo.step import Chunk, LossSums, StepResult, UpdateStats
 
 log = logging.getLogger("flux_grpo")
+
+
+def build_policy(transformer: torch.nn.Module, cfg: RecipeConfig, ds_config: dict):
+    """The trained transformer in a ZeRO-3 engine: LoRA adapters (or every weight), AdamW, a linear LR warmup.
+
+    Returns (engine, lr_scheduler). The benchmarks build their engines through this function too.
+    """
+    if cfg.lora is not None:
+        eng.add_lora(transformer, cfg.lora)  # freezes the base
+    else:
+        transformer.requires_grad_(True)
+    enable_checkpointing(transformer, cfg.model.gradient_checkpointing)
+    o = cfg.optim
+    optimizer = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad], lr=o.lr,
+                                  betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    warmup = max(o.warmup_steps, 0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+    engine, _, _, scheduler = deepspeed.initialize(model=transformer, optimizer=optimizer, lr_scheduler=scheduler,
+                                                   config=ds_config)
+    return engine, scheduler
 
 
 class FluxGRPORecipe:
@@ -95,7 +116,6 @@ class FluxGRPORecipe:
         self.resume_from = ckpt.resume_point(cfg, self.world)  # None: fresh start (output_dir must be empty)
         self.show_progress = self.rank == 0 and cfg.logging.progress
         dev.seed_everything(cfg.seed + self.rank)
-        self.sde = SDEParams(cfg.sampling.eta, cfg.sampling.sde)
 
     # ------------------------------------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -110,19 +130,15 @@ class FluxGRPORecipe:
         parts = load_parts(self.model_path, vae_dtype=dev.resolve_dtype(cfg.model.dtype), transformer_dtype=self.dtype,
                            transformer_loader=self.load_transformer)
         self.vae = parts.vae if cfg.model.offload_vae else parts.vae.to(self.device)  # decode() visits the device
-        self.vae_scale_factor = parts.vae_scale_factor
-        self.latent_size = parts.latent_size(cfg.sampling.resolution)
-        self.guidance_embeds = parts.transformer.config.guidance_embeds
-        self.latent_channels = parts.transformer.config.in_channels // 4
         dev.set_attention_backend(parts.transformer, cfg.model.attention_backend)
-        self.sigmas = self._sigmas(parts.scheduler_config)
+        self.sampler = FluxSampler.from_parts(parts, self.vae, cfg.sampling, cfg.seed, self.device, self.dtype)
         self.rewards = build_rewards(cfg.rewards, self.device)
-        self.engine, self.scheduler = eng.build_policy(parts.transformer, cfg, self.ds_config)
+        self.engine, self.scheduler = build_policy(parts.transformer, cfg, self.ds_config)
         self.reference = self._setup_reference()
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.out / "config.yaml")
-        self._setup_run_state()  # image sampler, EMA, checkpoint resume, metrics
+        self._setup_run_state()  # EMA, checkpoint resume, metrics
         self.profiler = StepProfiler.from_config(cfg, self.out, self.rank, self.device)  # profile.steps; no-op if []
 
     def _setup_data(self) -> None:
@@ -141,14 +157,9 @@ class FluxGRPORecipe:
         self.train_prompts = load_cache(paths["train"])
         self.eval_prompts = load_cache(paths["eval"]) if "eval" in paths else None
 
-    def _sigmas(self, scheduler_config: dict) -> torch.Tensor:
-        return evals.schedule(self.cfg.sampling, self.latent_size, scheduler_config)
-
     def _setup_run_state(self) -> None:
-        """Held-out sampler, EMA, the checkpoint to resume from (weights, optimizer, RNG, counters), metrics."""
+        """EMA, the checkpoint to resume from (weights, optimizer, RNG, counters), metrics."""
         cfg = self.cfg
-        self.sampler = evals.ImageSampler(self.vae, self.vae_scale_factor, self.latent_size, self.latent_channels,
-                                          self.guidance_embeds, self.sigmas, cfg, self.device, self.dtype)
         self.ema = ShardedEMA(self.engine, cfg.ema.decay) if cfg.ema.decay else None
         self.checkpoints = ckpt.Checkpointer(cfg, self.rank, self.world)
         self.state = ckpt.RunState(step=0)
@@ -193,37 +204,46 @@ class FluxGRPORecipe:
                         self.save_checkpoint(step)
                     return self._stopped(step)
                 self.profiler.start(step)
-                clock = [time.perf_counter()]
-                batch = self.rollout(step)
-                clock.append(time.perf_counter())
-                rewards, reward_stats = self.score(batch, step)
-                advantages, adv_stats = self.advantages(rewards)
-                clock.append(time.perf_counter())
-                reference = self.reference_means(batch) if cfg.grpo.kl_coef > 0 else None
-                if torch.isfinite(rewards).all():
-                    update_stats = self.update(step, batch, advantages, reference)
-                else:  # a NaN reward would poison every advantage of the step: skip the update, keep the count
-                    update_stats = {"skipped_updates": float(self.layout.updates_per_step)}
-                if self.ema is not None and update_stats["skipped_updates"] < self.layout.updates_per_step:
-                    self.ema.update()
-                clock.append(time.perf_counter())
-                elapsed = clock[-1] - clock[0]
-                timings = {"time/rollout_s": clock[1] - clock[0], "time/reward_s": clock[2] - clock[1],
-                           "time/update_s": clock[3] - clock[2], "step_time_s": elapsed,
-                           "samples_per_s": self.layout.samples_per_step / elapsed}
-                too_many_skips = self.skips.record(update_stats["skipped_updates"] > 0)
-                stats = {**reward_stats, **adv_stats, **update_stats, **timings, "skipped_total": self.skips.total}
+                result = self.step(step)
+                too_many_skips = self.skips.record(result.stats["skipped_updates"] > 0)
+                stats = {**result.stats, "skipped_total": self.skips.total}
                 self.metrics.log(step, stats)
                 self.profiler.stop()
                 if self.rank == 0:
                     log.info(health.health_line(step, stats))
                 if cfg.logging.sample_every and step % cfg.logging.sample_every == 0 and self.rank == 0:
-                    save_grid(batch["images"], self.out / "samples" / f"step_{step:05d}.png", cfg.sampling.group_size)
+                    save_grid(result.images, self.out / "samples" / f"step_{step:05d}.png", cfg.sampling.group_size)
                 if self._after_step(step + 1, stop, too_many_skips):
                     return self._stopped(step + 1)
         finally:
             stop.uninstall()
         self.save_final()
+
+    def step(self, step: int, phase=None) -> StepResult:
+        """One GRPO step: rollout -> reward -> advantage -> reference -> update (-> EMA).
+
+        `phase(name)`, when given, returns a context held around the "rollout", "reward" and "train" parts (the
+        tools' recording windows); the parts are timed either way.
+        """
+        clock = PhaseClock(phase)
+        with clock("rollout"):
+            chunks = self.rollout(step)
+        with clock("reward"):
+            rewards, reward_stats = self.score(chunks, step)
+            advantages, adv_stats = self.advantages(rewards)
+        with clock("train"):
+            if self.cfg.grpo.kl_coef > 0:
+                self.reference_means(chunks)
+            if torch.isfinite(rewards).all():
+                update = self.update(step, chunks, advantages)
+            else:  # a NaN reward would poison every advantage of the step: skip the update, keep the count
+                update = UpdateStats(skipped_updates=float(self.layout.updates_per_step))
+            if self.ema is not None and update.skipped_updates < self.layout.updates_per_step:
+                self.ema.update()
+        timings = {"time/rollout_s": clock.seconds["rollout"], "time/reward_s": clock.seconds["reward"],
+                   "time/update_s": clock.seconds["train"], "step_time_s": clock.total,
+                   "samples_per_s": self.layout.samples_per_step / clock.total}
+        return StepResult(chunks, rewards, advantages, {**reward_stats, **adv_stats, **update.metrics(), **timings})
 
     def _after_step(self, done: int, stop: health.StopSignal, too_many_skips: bool) -> bool:
         """Held-out eval and checkpoint when due; True when a stop signal arrived (the checkpoint is then written)."""
@@ -247,45 +267,40 @@ class FluxGRPORecipe:
         self.metrics.close()
 
     # ---------------------------------------------------------------------------------------------- rollout
-    def _conditioning(self, cache, prompt_idx: list[int]):
-        return self.sampler.conditioning(cache, prompt_idx)
-
-    def _initial_latents(self, step: int, keys: list[int], stream: int = INIT_NOISE) -> torch.Tensor:
-        return self.sampler.initial_latents(step, keys, stream)
-
     @torch.no_grad()
-    def rollout(self, step: int) -> dict:
+    def rollout(self, step: int) -> list[Chunk]:
         """Sample this rank's trajectories, rollout micro-batch by rollout micro-batch, cut them into the update's
         micro-batches (the unit of everything after), and decode x0 predicted at the last step."""
         cfg, g, lay = self.cfg, self.cfg.sampling.group_size, self.layout
         prompt_of_slot = prompts_for_step(len(self.train_prompts), cfg.batch.prompts_per_step, cfg.seed, step)
-        ids, r = lay.rank_sample_ids(self.rank), lay.rollout_micro_batch_size
         chunks = []
         with eng.inference_module(self.engine, cfg.deepspeed.gather_for_rollout) as model:
-            for big in progress([ids[i : i + r] for i in range(0, len(ids), r)], f"rollout {step}", self.show_progress):
-                prompt_idx = [prompt_of_slot[s // g] for s in big]
-                noise_keys = [s // g for s in big] if cfg.sampling.init_same_noise else big
-                cond = self._conditioning(self.train_prompts, prompt_idx)
-                traj = sample(model, cond, self._initial_latents(step, noise_keys), self.sigmas, self.sde,
-                              [step_noise_generator(cfg.seed, step, s) for s in big])
-                for i in range(0, len(big), lay.micro_batch_size):
+            for ids in progress(micro_batches(lay.rank_sample_ids(self.rank), lay.rollout_micro_batch_size),
+                                f"rollout {step}", self.show_progress):
+                prompt_idx = [prompt_of_slot[s // g] for s in ids]
+                noise_keys = [s // g for s in ids] if cfg.sampling.init_same_noise else ids
+                cond = self.sampler.conditioning(self.train_prompts, prompt_idx)
+                traj = self.sampler.sample(model, cond, self.sampler.initial_latents(step, noise_keys),
+                                           [step_noise_generator(cfg.seed, step, s) for s in ids])
+                for i in range(0, len(ids), lay.micro_batch_size):
                     rows = slice(i, i + lay.micro_batch_size)
-                    chunks.append({"ids": big[rows], "prompt_idx": prompt_idx[rows], "cond": cond.select(rows),
-                                   "traj": traj.select(rows), "trained": self._trained_steps(step, big[rows])})
+                    trained = trained_steps(cfg.sampling.num_steps - 1, lay.trained_transitions, cfg.seed, step,
+                                            ids[rows][0])
+                    chunks.append(Chunk(ids[rows], prompt_idx[rows], cond.select(rows), traj.select(rows), trained))
         for c in chunks:  # decode after the gathered weights are released
-            c["images"] = decode(self.vae, c["traj"].x0, cfg.sampling.resolution, self.vae_scale_factor)
-        return {"chunks": chunks, "images": torch.cat([c["images"] for c in chunks])}
+            c.images = self.sampler.decode(c.traj.x0)
+        return chunks
 
     # ----------------------------------------------------------------------------------------------- reward
     @torch.no_grad()
-    def score(self, batch: dict, step: int = -1) -> tuple[torch.Tensor, dict]:
+    def score(self, chunks: list[Chunk], step: int) -> tuple[torch.Tensor, dict]:
         """Score own images, gather the per-reward scores with their global index, mix them. Returns [N] rewards."""
         local, ids = [], []
         with self.rewards.on_device():
-            for c in batch["chunks"]:
-                prompts = [self.train_prompts.prompts[i] for i in c["prompt_idx"]]
-                local.append(self.rewards(c["images"], prompts).float())
-                ids.extend(c["ids"])
+            for c in chunks:
+                prompts = [self.train_prompts.prompts[i] for i in c.prompt_idx]
+                local.append(self.rewards(c.images, prompts).float())
+                ids.extend(c.ids)
         local = health.inject("nan_reward", step, self.rank, torch.cat(local))  # a no-op outside fault tests
         nonfinite = finite_check(local, self.rewards.names)
         components = gather_by_index(local, torch.tensor(ids, device=local.device), self.layout.samples_per_step)
@@ -305,66 +320,51 @@ class FluxGRPORecipe:
         return adv, {k: float(v) for k, v in stats.items()}
 
     # -------------------------------------------------------------------------------------------- reference
-    def _trained_steps(self, step: int, chunk: list[int]) -> list[int]:
-        return trained_steps(self.cfg.sampling.num_steps - 1, self.layout.trained_transitions, self.cfg.seed, step,
-                             chunk[0])
-
     @torch.no_grad()
-    def reference_means(self, batch: dict) -> list[dict[int, torch.Tensor]]:
-        """Reference SDE means of every transition the update will train, per chunk (computed sharded)."""
+    def reference_means(self, chunks: list[Chunk]) -> None:
+        """Reference SDE means of every transition the update will train, into each chunk (computed sharded)."""
         lora = self.reference is None  # LoRA: the base model is the policy with its adapters switched off
         gather = self.cfg.deepspeed.gather_for_rollout and lora
         with eng.inference_module(self.engine if lora else self.reference, gather) as model:
             if lora:
                 model.disable_adapters()
             try:
-                return [
-                    {j: transition(model, c["cond"], c["traj"].latents, self.sigmas, j, self.sde).mean
-                     for j in c["trained"]}
-                    for c in batch["chunks"]
-                ]
+                for c in chunks:
+                    c.reference = {j: self.sampler.transition(model, c.cond, c.traj.latents, j).mean
+                                   for j in c.trained}
             finally:
                 if lora:
                     model.enable_adapters()
 
     # ----------------------------------------------------------------------------------------------- update
-    def update(self, step: int, batch: dict, advantages: torch.Tensor, reference) -> dict:
+    def update(self, step: int, chunks: list[Chunk], advantages: torch.Tensor) -> UpdateStats:
         """Accumulate the clipped loss over the trained transitions of each update block, then step."""
-        per_update = self.layout.micro_batches_per_update
-        sums: dict[str, float] = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "approx_kl": 0.0, "ratio_mean": 0.0}
-        count, max_dev, grad_norms, nonfinite = 0, 0.0, [], 0
+        per_update, g = self.layout.micro_batches_per_update, self.cfg.grpo
+        sums, grad_norms = LossSums(), []
         skipped_before = self.engine.skipped_steps
-        for n, c in enumerate(progress(batch["chunks"], f"update {step}", self.show_progress)):
-            adv = advantages[torch.tensor(c["ids"], device=advantages.device)]
-            for j in c["trained"]:
-                out = transition(self.engine, c["cond"], c["traj"].latents, self.sigmas, j, self.sde)
-                kl = kl_same_std(out.mean, reference[n][j], out.std) if reference is not None else None
-                loss, st = grpo_loss(out.log_prob, c["traj"].log_probs[:, j], adv, clip_range=self.cfg.grpo.clip_range,
-                                     kl=kl, kl_coef=self.cfg.grpo.kl_coef)
+        for n, c in enumerate(progress(chunks, f"update {step}", self.show_progress)):
+            adv = advantages[torch.tensor(c.ids, device=advantages.device)]
+            for j in c.trained:
+                out = self.sampler.transition(self.engine, c.cond, c.traj.latents, j)
+                kl = kl_same_std(out.mean, c.reference[j], out.std) if g.kl_coef > 0 else None
+                loss, st = grpo_loss(out.log_prob, c.traj.log_probs[:, j], adv, clip_range=g.clip_range, kl=kl,
+                                     kl_coef=g.kl_coef)
                 loss = health.inject("nan_loss", step, self.rank, loss)  # a no-op outside fault tests
                 if not torch.isfinite(loss):  # make its gradient non-finite too: ZeRO-3 then sees a non-finite
-                    nonfinite += 1  # global grad norm (all-reduced) and skips this optimizer step on every rank
-                    loss = loss * float("nan")
+                    loss = loss * float("nan")  # global grad norm (all-reduced) and skips this optimizer step
                 self.engine.backward(loss)
                 self.engine.step()
-                if n < per_update:  # the first update block is exactly on-policy
-                    max_dev = max(max_dev, (st["ratio"] - 1).abs().max().item())
-                for k in sums:
-                    sums[k] += (st["ratio"].mean() if k == "ratio_mean" else loss if k == "loss" else st[k]).item()
-                count += 1
+                sums.add(loss, st, on_policy=n < per_update)  # the first update block is exactly on-policy
             if (n + 1) % per_update == 0:
                 grad_norms.append(float(self.engine.get_global_grad_norm() or 0.0))
-        totals = torch.tensor([sums[k] / count for k in sums] + [float(nonfinite), max_dev], device=self.device)
-        dist.all_reduce(totals[:-1])
-        totals[:-2] /= self.world
-        dist.all_reduce(totals[-1:], op=dist.ReduceOp.MAX)
-        stats = dict(zip(list(sums) + ["nonfinite/loss", "ratio_max_dev"], totals.tolist()))
+        stats = sums.reduce(self.device)
         skipped = self.engine.skipped_steps - skipped_before  # identical on all ranks (global grad norm)
-        if stats["nonfinite/loss"] > 0 and skipped == 0:
+        if stats.nonfinite_loss > 0 and skipped == 0:
             raise RuntimeError("a non-finite loss reached the optimizer and DeepSpeed did not skip the step; "
                                "use deepspeed>=0.19.3 (ZeRO-3 skips steps with a non-finite gradient norm)")
-        stats.update(grad_norm=grad_norms[-1], lr=self.scheduler.get_last_lr()[0], skipped_updates=float(skipped),
-                     **{"nonfinite/grad": float(skipped if stats["nonfinite/loss"] == 0 else 0)})
+        stats.grad_norm, stats.lr = grad_norms[-1], self.scheduler.get_last_lr()[0]
+        stats.skipped_updates = float(skipped)
+        stats.nonfinite_grad = float(skipped if stats.nonfinite_loss == 0 else 0)
         return stats
 
     # --------------------------------------------------------------------------------------------- evaluate
@@ -378,9 +378,10 @@ class FluxGRPORecipe:
             return None
         n = evals.eval_images(self.eval_prompts, self.cfg)
         ids = list(range(self.rank, n, self.world))
+        micro = self.layout.rollout_micro_batch_size
         with self._trained_weights(), eng.inference_module(self.engine, self.cfg.deepspeed.gather_for_rollout) as m:
-            x0 = evals.sample_heldout(m, self.sampler, self.eval_prompts, ids)
-        images, local = evals.score_heldout(self.sampler, self.rewards, self.eval_prompts, ids, x0)
+            x0 = evals.sample_heldout(m, self.sampler, self.eval_prompts, ids, micro)
+        images, local = evals.score_heldout(self.sampler, self.rewards, self.eval_prompts, ids, x0, micro)
         if self.rank == 0 and ids:  # this rank's share: prompts 0, world, 2*world, ...
             save_grid(images, self.out / "samples" / f"eval_step_{step:05d}.png", min(len(ids), 8))
         components = gather_by_index(local, torch.tensor(ids, device=self.device, dtype=torch.long), n)

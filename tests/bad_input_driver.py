@@ -17,12 +17,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.one_step import load_recipe_module  # noqa: E402
+from grpo.tools._recipe import load_recipe  # noqa: E402
 
 
 def main() -> None:
     cases = json.loads(Path(sys.argv[1]).read_text())
-    recipe = load_recipe_module()
+    recipe = load_recipe()
 
     def no_heavy_work(self):  # every check must have run before setup() (model loading) begins
         raise RuntimeError("reached setup(): the input was accepted")

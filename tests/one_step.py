@@ -5,7 +5,6 @@ Run under torchrun: python tests/one_step.py OUT.pt --config CONFIG [key=value .
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -18,13 +17,7 @@ sys.path.insert(0, str(ROOT))
 
 from grpo.config import load_config  # noqa: E402
 from grpo.flux import load_transformer, velocity  # noqa: E402
-
-
-def load_recipe_module():
-    spec = importlib.util.spec_from_file_location("flux_grpo", ROOT / "recipes" / "flux_grpo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from grpo.tools._recipe import load_recipe  # noqa: E402
 
 
 def gathered_trainable(engine) -> dict[str, torch.Tensor]:
@@ -37,27 +30,23 @@ def main() -> None:
     out = Path(sys.argv[1])
     args = sys.argv[2:]
     assert args[0] == "--config"
-    recipe = load_recipe_module().FluxGRPORecipe(load_config(args[1], args[2:]))
+    recipe = load_recipe().FluxGRPORecipe(load_config(args[1], args[2:]))
     recipe.setup()
     before = gathered_trainable(recipe.engine)
-    batch = recipe.rollout(0)
-    rewards, _ = recipe.score(batch)
-    advantages, _ = recipe.advantages(rewards)
-    reference = recipe.reference_means(batch) if recipe.cfg.grpo.kl_coef > 0 else None
-    stats = recipe.update(0, batch, advantages, reference)
-    result = {"rewards": rewards.cpu(), "advantages": advantages.cpu(), "stats": stats,
+    step = recipe.step(0)
+    result = {"rewards": step.rewards.cpu(), "advantages": step.advantages.cpu(), "stats": step.stats,
               "before": before, "after": gathered_trainable(recipe.engine), "world": recipe.world}
 
     # Reference checks on the first chunk after the update (weights have moved).
-    chunk = batch["chunks"][0]
-    x, t = chunk["traj"].latents[:, 1], recipe.sigmas[1].expand(len(chunk["ids"]))
+    chunk = step.chunks[0]
+    x, t = chunk.traj.latents[:, 1], recipe.sampler.sigmas[1].expand(len(chunk.ids))
     with torch.no_grad():
         if recipe.cfg.lora is not None:
             recipe.engine.module.disable_adapters()
-            disabled = velocity(recipe.engine.module, x, t, chunk["cond"])
+            disabled = velocity(recipe.engine.module, x, t, chunk.cond)
             recipe.engine.module.enable_adapters()
-            enabled = velocity(recipe.engine.module, x, t, chunk["cond"])
-            base = velocity(load_transformer(recipe.model_path, recipe.dtype), x, t, chunk["cond"])
+            enabled = velocity(recipe.engine.module, x, t, chunk.cond)
+            base = velocity(load_transformer(recipe.model_path, recipe.dtype), x, t, chunk.cond)
             result.update(lora_disabled=disabled.cpu(), lora_enabled=enabled.cpu(), base=base.cpu())
         if recipe.reference is not None:
             params = list(recipe.reference.module.parameters())

@@ -1,7 +1,7 @@
 """Loading and driving the recipe script from the tools (recipes/ is not a package, so it is loaded by path).
 
 Shared by grpo.tools.npu_audit and grpo.tools.align: both build the recipe of a preset exactly as a training run does
-(``FluxGRPORecipe(cfg)`` then ``setup()``) and run one GRPO step through its own methods, so what they observe is the
+(``FluxGRPORecipe(cfg)`` then ``setup()``) and run one GRPO step through its own ``step()``, so what they observe is the
 code that trains, not a re-implementation of it.
 """
 
@@ -10,19 +10,13 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import torch
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPE_PATH = REPO_ROOT / "recipes" / "flux_grpo.py"
-
-Phase = Callable[[str], contextlib.AbstractContextManager]
-
 
 def load_recipe(path: str | Path = RECIPE_PATH) -> ModuleType:
     """Imports the recipe script by path.
@@ -80,40 +74,3 @@ def recipe_session(config_path: str | Path, overrides: Sequence[str],
             yield recipe
         finally:
             recipe.metrics.close()
-
-
-@dataclass
-class StepResult:
-    """What one GRPO step of the recipe produced (on this rank)."""
-
-    batch: dict  # the recipe's rollout batch: {"chunks": [...], "images": [n, 3, H, W]}
-    rewards: torch.Tensor  # [N] mixed rewards of every global sample (gathered)
-    advantages: torch.Tensor  # [N]
-    stats: dict[str, float]  # the update's statistics (all-reduced over ranks)
-
-
-def _no_phase(name: str) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext()
-
-
-def run_step(recipe: Any, step: int = 0, phase: Phase = _no_phase) -> StepResult:
-    """Runs one GRPO step through the recipe's own methods: rollout, reward + advantage, reference + update.
-
-    Args:
-        recipe: A set-up ``FluxGRPORecipe``.
-        step: The GRPO step index (selects prompts and noise).
-        phase: Called with ``"rollout"``, ``"reward"`` and ``"train"``; the context it returns is held around that
-            part of the step (the audit's phases, the align tool's recording window).
-
-    Returns:
-        The step's batch, rewards, advantages and update statistics.
-    """
-    with phase("rollout"):
-        batch = recipe.rollout(step)
-    with phase("reward"):
-        rewards, _ = recipe.score(batch)
-        advantages, _ = recipe.advantages(rewards)
-    with phase("train"):
-        reference = recipe.reference_means(batch) if recipe.cfg.grpo.kl_coef > 0 else None
-        stats = recipe.update(step, batch, advantages, reference)
-    return StepResult(batch=batch, rewards=rewards, advantages=advantages, stats=stats)

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from grpo.tools._recipe import RECIPE_PATH, recipe_session, run_step
+from grpo.step import Chunk
+from grpo.tools._recipe import RECIPE_PATH, recipe_session
 from grpo.tools.align_report import FORMAT_VERSION, AlignError, save_dump
 
 logger = logging.getLogger(__name__)
@@ -158,28 +159,21 @@ def _trainable(engine, max_numel: int, keep: bool) -> dict[str, torch.Tensor] | 
     return out
 
 
-def _gather_samples(chunks: list[dict], key: str, count: int) -> torch.Tensor:
+def _gather_samples(chunks: list[Chunk], key: str, count: int) -> torch.Tensor:
     """Per-sample tensors of every rank's chunks -> [count, ...] in global sample order (samples >= count dropped)."""
     from grpo.distributed import gather_by_index
 
     local = torch.cat([key_of(c, key) for c in chunks])
-    ids = torch.tensor([i for c in chunks for i in c["ids"]], dtype=torch.long, device=local.device)
+    ids = torch.tensor([i for c in chunks for i in c.ids], dtype=torch.long, device=local.device)
     keep = ids < count
     rows = gather_by_index(local[keep].float().reshape(int(keep.sum()), -1), ids[keep], count)
     return rows.reshape(count, *local.shape[1:]).cpu()
 
 
-def key_of(chunk: dict, key: str) -> torch.Tensor:
+def key_of(chunk: Chunk, key: str) -> torch.Tensor:
     if key == "images":
-        return chunk["images"]
-    traj = chunk["traj"]
-    if key == "latents":
-        return traj.latents
-    if key == "log_probs":
-        return traj.log_probs
-    if key == "x0":
-        return traj.x0
-    raise KeyError(key)
+        return chunk.images
+    return {"latents": chunk.traj.latents, "log_probs": chunk.traj.log_probs, "x0": chunk.traj.x0}[key]
 
 
 def _nothing() -> contextlib.AbstractContextManager:
@@ -252,10 +246,10 @@ def record(config: str, overrides: Sequence[str], out: str | Path, record_steps:
         before = _trainable(recipe.engine, max_weights, keep=recipe.rank == 0)
         with recorder:
             t0 = time.perf_counter()
-            result = run_step(recipe, 0, lambda phase: recorder.capture() if phase == "rollout" else _nothing())
+            result = recipe.step(0, lambda phase: recorder.capture() if phase == "rollout" else _nothing())
             seconds = time.perf_counter() - t0
         after = _trainable(recipe.engine, max_weights, keep=recipe.rank == 0)
-        chunks = result.batch["chunks"]
+        chunks = result.chunks
         tensors = {key: _gather_samples(chunks, key, count) for key in ("latents", "x0", "log_probs", "images")}
         tensors["rewards"] = result.rewards.float().cpu()
         tensors["advantages"] = result.advantages.float().cpu()

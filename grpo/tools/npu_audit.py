@@ -52,7 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from grpo.tools._recipe import RECIPE_PATH, REPO_ROOT, load_recipe, recipe_session, run_step  # noqa: F401
+from grpo.tools._recipe import RECIPE_PATH, REPO_ROOT, load_recipe, recipe_session  # noqa: F401
 
 logger = logging.getLogger(__name__)
 _THIS_FILE = str(Path(__file__).resolve())
@@ -583,7 +583,7 @@ def run_recipe_step(config_path: str, overrides: Sequence[str], auditor: Auditor
         auditor.watch(recipe.engine.module, "transformer")
         auditor.watch(recipe.vae, "vae")
         with auditor:
-            run_step(recipe, 0, auditor.phase)
+            recipe.step(0, auditor.phase)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
