@@ -115,6 +115,8 @@ def coerce(value: Any, tp: Any, key: str, hint: str = "") -> Any:
           str: lambda v: isinstance(v, str)}.get(inner)
     if ok is None:
         return value
+    if inner is float and isinstance(value, str) and value.strip().lower().lstrip("+-.") in ("inf", "infinity", "nan"):
+        raise ConfigError(f"{key}: must be a finite number, got {value}{why}")
     if not ok(value):
         raise ConfigError(f"{key}: expected {_EXPECTED[inner]}, got {value!r}{why}")
     if inner is float:
@@ -175,6 +177,8 @@ def _default_text(f: dataclasses.Field) -> str:
     if _required(f):
         return "required"
     value = f.default if f.default is not MISSING else f.default_factory()
+    if dataclasses.is_dataclass(value):
+        return "may be left out"
     return "default " + yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("\n...")
 
 
@@ -184,11 +188,11 @@ def describe(cls: type, prefix: str = "") -> list[str]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         key = f"{prefix}.{f.name}" if prefix else f.name
-        inner = _split_optional(hints[f.name])[0]
+        inner, optional = _split_optional(hints[f.name])
         free = " [may change on resume]" if f.metadata.get("resume") == "free" else ""
         label = "section" if _is_section(inner) else type_label(hints[f.name])
         if f.metadata.get("choices"):
-            label = " | ".join(map(str, f.metadata["choices"]))
+            label = " | ".join(map(str, f.metadata["choices"])) + (" or null" if optional else "")
         lines.append(f"  {key} ({label}; {_default_text(f)}): {f.metadata.get('help', '')}{free}")
         if _is_section(inner):
             lines += describe(inner, key)

@@ -197,7 +197,7 @@ def test_duplicate_yaml_key_is_refused_with_its_line(tmp_path):
 def test_non_utf8_config_is_one_line(tmp_path):
     preset = tmp_path / "latin1.yaml"
     preset.write_bytes("output_dir: runs/caf\xe9\n".encode("latin-1"))
-    with pytest.raises(ConfigError, match=r"^config: .*latin1.yaml is not UTF-8 text \(byte 16\); save it as UTF-8$"):
+    with pytest.raises(ConfigError, match=r"^config: .*latin1.yaml is not UTF-8 text \(byte 20\); save it as UTF-8$"):
         load_config(preset)
 
 
@@ -235,4 +235,4 @@ def test_help_lists_every_setting_with_its_help(capsys):
     assert "  sampling.eta (float; required): SDE noise" in out
     assert "  ema.decay (float or null; default null): " in out
     assert "  logging.eval_every (int; required): " in out and "[may change on resume]" in out
-    assert "  rewards.hpsv2:" in out and "    version (v2.0 | v2.1; default v2.1): " in out
+    assert "\n  hpsv2: HPS" in out and "    version (v2.0 | v2.1; default v2.1): " in out
