@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from grpo.config import RecipeConfig, to_dict
+from grpo.config import RecipeConfig, is_path, resume_free, to_dict
 from grpo.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -60,13 +60,6 @@ FORMAT = 1
 META = "meta.json"
 LATEST = "latest"
 _NAME = re.compile(r"^step_(\d{8})$")
-# Settings that may change between a run and its resumption: where and how long it runs, what it logs, how it
-# checkpoints and handles faults. Everything else shapes the training math and must match.
-RESUME_FREE = ("output_dir", "max_steps", "checkpoint", "logging", "faults", "ema", "profile", "data.cache_dir",
-               "data.eval_prompts", "deepspeed.gather_for_rollout", "model.zero_init", "model.offload_vae",
-               "model.gradient_checkpointing")  # the last four are memory/loading knobs: same math
-
-
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
@@ -171,26 +164,20 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _free(key: str) -> bool:
-    return any(key == f or key.startswith(f + ".") for f in RESUME_FREE)
-
-
-# Settings holding a file or folder: the same place spelled differently (relative vs absolute) is not a change.
-_PATH_KEYS = ("model.path", "data.train_prompts", "deepspeed.config")
-
-
 def _same(key: str, x: Any, y: Any) -> bool:
     if x == y:
         return True
-    if key in _PATH_KEYS and isinstance(x, str) and isinstance(y, str) and Path(x).exists() and Path(y).exists():
+    # A file or folder spelled differently (relative vs absolute) is not a change.
+    if is_path(key) and isinstance(x, str) and isinstance(y, str) and Path(x).exists() and Path(y).exists():
         return Path(x).resolve() == Path(y).resolve()
     return False
 
 
 def config_differences(saved: dict, current: dict) -> list[str]:
-    """`key: saved -> current` for every setting that shapes training and differs."""
+    """`key: saved -> current` for every setting that shapes training and differs (the schema says which settings
+    may change on resume: grpo.config.resume_free)."""
     a, b = _flatten(saved), _flatten(current)
-    keys = sorted(k for k in set(a) | set(b) if not _free(k) and not _same(k, a.get(k, "<unset>"),
+    keys = sorted(k for k in set(a) | set(b) if not resume_free(k) and not _same(k, a.get(k, "<unset>"),
                                                                             b.get(k, "<unset>")))
     return [f"{k}={a.get(k, '<unset>')!r} in the checkpoint, {b.get(k, '<unset>')!r} now" for k in keys]
 

@@ -3,302 +3,204 @@
 Presets state *global* quantities (prompts per step, group size); everything per rank is derived from the world
 size by :func:`derive_layout`, so one preset runs on 1, 2, 8 or 64 processes. Every check here runs before any
 model is loaded, and every error is one line naming the setting and the fix.
+
+The schema is the single source of truth: each field's help text, whether it may change when a run is resumed,
+and whether it names a file (grpo/schema.py's `setting`). Only switches that are off have defaults; every tuning
+value is required, so a preset shows everything it uses. `python -m grpo.inputs --help` lists every setting.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import types
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from grpo.errors import ConfigError
+from grpo.schema import build, describe, fields_along, parse_value, read_yaml, set_dotted, setting
+
+FREE = "free"  # may differ between a run and its resumption: where and how long it runs, logging, checkpoints, faults
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelConfig:
-    path: str = "assets/tiny-flux"  # hub id (black-forest-labs/FLUX.1-dev) or a local folder in diffusers layout
-    revision: str | None = None
-    dtype: str = "fp32"  # frozen parts (VAE) and rollout activations; the policy follows the DeepSpeed precision
-    attention_backend: str = "native"  # diffusers attention backend: native (SDPA), _native_npu, flash, ...
-    # Recompute activations in the update: true = every transformer block, k (int) = every k-th block, false = none.
-    gradient_checkpointing: bool | int = False
-    # Build the transformer inside deepspeed.zero.Init and fill it from the safetensors shards (grpo/loading.py): a
-    # node holds ~one host copy instead of one per process. false = from_pretrained on every process.
-    zero_init: bool = True
-    offload_vae: bool = False  # keep the VAE on the CPU except while decoding (saves its weights on the device)
+    path: str = setting(help="hub id (black-forest-labs/FLUX.1-dev) or a local folder in diffusers layout", path=True)
+    revision: str | None = setting(None, help="hub revision of model.path; null = the default branch")
+    dtype: str = setting(help="frozen parts (VAE) and rollout activations: fp32, bf16 or fp16; the policy follows "
+                              "the DeepSpeed precision")
+    attention_backend: str = setting(help="diffusers attention backend: native (SDPA), _native_npu, flash, ...")
+    gradient_checkpointing: bool | int = setting(
+        False, resume=FREE, help="recompute activations in the update: true = every block, k = every k-th, false = none")
+    zero_init: bool = setting(
+        resume=FREE, help="build the transformer in deepspeed.zero.Init and fill it from the shards (a node holds ~one "
+                          "host copy); false = from_pretrained on every process")
+    offload_vae: bool = setting(False, resume=FREE, help="keep the VAE on the CPU except while decoding")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LoraConfig:
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    init: str = "gaussian"  # PEFT init_lora_weights
-    target_modules: list[str] = field(
-        default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"]
-    )
+    rank: int = setting(help="LoRA rank r, e.g. 16 (tiny) or 128 (FLUX.1-dev)")
+    alpha: float = setting(help="LoRA scale numerator: updates are scaled by alpha / rank")
+    dropout: float = setting(0.0, help="dropout on the LoRA input; 0 = off")
+    init: str = setting(help="PEFT init_lora_weights, e.g. gaussian")
+    target_modules: list[str] = setting(help="transformer module names that get adapters, e.g. [to_q, to_k, to_v, "
+                                             "to_out.0]")
 
 
-@dataclass
+# What `lora.rank=16` on a full fine-tune preset fills in for the LoRA keys it does not give.
+LORA_SWITCH_DEFAULTS = {"rank": 8, "alpha": 16.0, "dropout": 0.0, "init": "gaussian",
+                        "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]}
+
+
+@dataclass(kw_only=True)
 class DataConfig:
-    train_prompts: str = "assets/prompts/tiny_train.txt"
-    eval_prompts: str | None = "assets/prompts/tiny_heldout.txt"
-    cache_dir: str = "cache/embeddings"  # precomputed prompt embeddings (safetensors), keyed by model + prompts
-    max_sequence_length: int = 32  # T5 tokens; FLUX.1-dev uses 512
+    train_prompts: str = setting(help="text file, one training prompt per line", path=True)
+    eval_prompts: str | None = setting(resume=FREE, path=True, help="held-out prompt file; null = no eval")
+    cache_dir: str = setting(resume=FREE, path=True,
+                             help="precomputed prompt embeddings (safetensors), keyed by model + prompts")
+    max_sequence_length: int = setting(help="T5 tokens per prompt; FLUX.1-dev uses 512")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SamplingConfig:
-    resolution: int = 64
-    num_steps: int = 8
-    eta: float = 0.3  # SDE noise; 0 = deterministic ODE (eval)
-    sde: str = "dance"  # dance: g = eta (DanceGRPO); flow: g = eta*sqrt(sigma/(1-sigma)) (Flow-GRPO)
-    shift: float | str = 3.0  # static SD3 time shift, or "dynamic" for diffusers' resolution-dependent shift
-    guidance: float = 3.5  # FLUX.1-dev distilled guidance embedding
-    group_size: int = 8  # images per prompt (G)
-    init_same_noise: bool = True  # a group shares its initial noise (DanceGRPO's init_same_noise)
+    resolution: int = setting(help="image side in pixels, a multiple of 16")
+    num_steps: int = setting(help="denoising steps per rollout")
+    eta: float = setting(help="SDE noise of the rollouts, > 0; eval always uses 0 (deterministic ODE)")
+    sde: str = setting(help="dance: g = eta (DanceGRPO); flow: g = eta*sqrt(sigma/(1-sigma)) (Flow-GRPO)")
+    shift: float | str = setting(help="static SD3 time shift, or dynamic for diffusers' resolution-dependent shift")
+    guidance: float = setting(help="FLUX.1-dev distilled guidance embedding")
+    group_size: int = setting(help="images per prompt (G), at least 2")
+    init_same_noise: bool = setting(help="a group shares its initial noise (DanceGRPO's init_same_noise)")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class BatchConfig:
-    prompts_per_step: int = 8  # global, over all processes
-    micro_batch_size: int = 4  # per process: the update's micro-batch (and the rollout's unless set below)
-    # Rollout (and eval) micro-batch per process, a multiple of micro_batch_size: no gradients, so it can be larger.
-    # null = micro_batch_size, which keeps the first-pass ratio exactly 1; a larger one runs other matmul shapes than
-    # the update, so the ratio is 1 only up to rounding (ratio_max_dev shows by how much).
-    rollout_micro_batch_size: int | None = None
+    prompts_per_step: int = setting(help="prompts per GRPO step, global over all processes")
+    micro_batch_size: int = setting(help="per process: the update's micro-batch (and the rollout's unless set)")
+    rollout_micro_batch_size: int | None = setting(
+        None, help="rollout/eval micro-batch per process, a multiple of micro_batch_size; null = micro_batch_size, "
+                   "which keeps the first-pass ratio exactly 1 (a larger one only up to rounding)")
+    updates_per_step: int = setting(help="optimizer steps per GRPO step; the first one is exactly on-policy")
 
     @property
     def rollout_micro_batch(self) -> int:
         return self.rollout_micro_batch_size or self.micro_batch_size
-    updates_per_step: int = 1  # optimizer steps per GRPO step; the first one is exactly on-policy
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GRPOConfig:
-    clip_range: float = 1e-4
-    adv_clip: float = 5.0
-    std_scope: str = "group"  # group | batch (Flow-GRPO's global_std)
-    timestep_fraction: float = 0.6  # share of the N-1 trainable transitions drawn per micro-batch
-    kl_coef: float = 0.0  # 0 = no reference model at all
+    clip_range: float = setting(help="PPO ratio clip epsilon (DanceGRPO: 1e-4)")
+    adv_clip: float = setting(help="advantages are clipped to [-adv_clip, adv_clip] (DanceGRPO: 5.0)")
+    std_scope: str = setting(help="advantage std over the group, or the whole batch (Flow-GRPO's global_std)")
+    timestep_fraction: float = setting(help="share of the N-1 trainable transitions drawn per micro-batch, in (0, 1]")
+    kl_coef: float = setting(0.0, help="KL penalty to the initial policy; 0 = off (no reference model at all)")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class OptimConfig:
-    lr: float = 1e-4
-    weight_decay: float = 1e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    max_grad_norm: float = 1.0
-    warmup_steps: int = 0
+    lr: float = setting(help="AdamW learning rate, e.g. 1e-5 full fine-tune, 3e-4 LoRA")
+    weight_decay: float = setting(help="AdamW weight decay")
+    betas: list[float] = setting(help="AdamW betas, two numbers in [0, 1)")
+    eps: float = setting(help="AdamW epsilon")
+    max_grad_norm: float = setting(help="gradient clipping norm (DanceGRPO: 1.0)")
+    warmup_steps: int = setting(0, help="linear LR warm-up in optimizer steps; 0 = off")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DeepSpeedConfig:
-    config: str = "ds_configs/zero3.json"  # sharding, offload and precision; batch fields are filled by the recipe
-    # Gather the full weights once per rollout/eval phase instead of layer by layer at every denoising step: much
-    # faster, but each device then briefly holds one full copy (FLUX.1-dev: ~24 GB in bf16).
-    gather_for_rollout: bool = True
+    config: str = setting(path=True, help="ds_configs/*.json: sharding, offload and precision; the recipe fills in "
+                                          "the batch fields")
+    gather_for_rollout: bool = setting(
+        resume=FREE, help="gather the full weights once per rollout/eval phase instead of layer by layer at every "
+                          "denoising step: much faster, but each device briefly holds one full copy")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LoggingConfig:
-    sample_every: int = 10  # write a grid of rollout images every N steps (0 = never)
-    eval_every: int = 10  # held-out eval (eta = 0, fixed noise) every N steps; always before step 0 and after the last
-    # images per held-out prompt, each from its own fixed noise: one image a prompt is too few to see a small gain
-    eval_seeds: int = 1
-    tensorboard: bool = True
-    wandb: bool = False  # also log to Weights & Biases (needs `pip install wandb`; project from WANDB_PROJECT)
-    progress: bool = True  # tqdm bars on rank 0 for the rollout and update phases
+    sample_every: int = setting(help="a grid of rollout images every N steps; 0 = never")
+    eval_every: int = setting(help="held-out eval (eta 0, fixed noise) every N steps, and before step 0 and after "
+                                   "the last")
+    eval_seeds: int = setting(help="images per held-out prompt, each from its own fixed noise")
+    tensorboard: bool = setting(help="write TensorBoard event files under output_dir")
+    wandb: bool = setting(False, help="also log to Weights & Biases (pip install wandb; project from WANDB_PROJECT)")
+    progress: bool = setting(help="tqdm bars on rank 0 for the rollout and update phases")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CheckpointConfig:
-    every: int = 10  # resumable checkpoint (model, optimizer, scheduler, RNG, EMA) every N steps and after the last
-    keep: int = 2  # newest complete checkpoints kept; older ones are deleted once a newer one is complete
-    # null: a new run (output_dir must be absent or empty); auto: continue from the newest valid checkpoint under
-    # output_dir/checkpoints (a fresh start when there is none); or the path of one checkpoint folder (or run folder)
-    resume: str | None = None
+    every: int = setting(help="resumable checkpoint every N steps and after the last")
+    keep: int = setting(help="newest complete checkpoints kept; older ones are deleted once a newer one is complete")
+    resume: str | None = setting(None, path=True, help="null = a new run (output_dir absent or empty); auto = the "
+                                                       "newest valid checkpoint under output_dir; or a checkpoint folder")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EMAConfig:
-    decay: float | None = None  # e.g. 0.99; null = no EMA. Eval, the final export and grpo.export use the EMA weights
+    decay: float | None = setting(None, help="EMA of the trained weights, e.g. 0.99; null = off. Eval, the final "
+                                             "export and grpo.export use the EMA weights")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FaultsConfig:
-    # GRPO steps in a row whose update was skipped (non-finite reward, loss or gradient) before the run saves a
-    # checkpoint and stops with an error
-    max_consecutive_skips: int = 3
-    # A collective that waits longer than this (a dead or hung rank) fails the run instead of hanging; must exceed
-    # the longest stretch one rank works alone (eval grids, checkpoint hashing)
-    comm_timeout_s: float = 1800.0
+    max_consecutive_skips: int = setting(help="GRPO steps in a row with a skipped update (non-finite reward, loss or "
+                                              "gradient) before the run checkpoints and stops with an error")
+    comm_timeout_s: float = setting(help="a collective waiting longer (a dead or hung rank) fails the run; must exceed "
+                                         "the longest stretch one rank works alone (eval grids, checkpoint hashing)")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ProfileConfig:
-    # GRPO steps traced with torch.profiler (torch_npu.profiler on NPU) into output_dir/<dir>/; [] = off.
-    # Pick steps after the first (warm-up), e.g. [2, 3]. See grpo/profiling.py for the files written.
-    steps: list[int] = field(default_factory=list)
-    dir: str = "profile"
-    ranks: list[int] | None = field(default_factory=lambda: [0])  # ranks that trace; null = every rank
-    record_shapes: bool = False
-    profile_memory: bool = False
-    with_stack: bool = False  # Python call stacks: much larger traces
+    steps: list[int] = setting([], help="GRPO steps traced with torch.profiler into output_dir/<dir>/, e.g. [2, 3] "
+                                        "(after the warm-up step); [] = off")
+    dir: str = setting("profile", help="folder under output_dir for the traces")
+    ranks: list[int] | None = setting([0], help="ranks that trace; null = every rank")
+    record_shapes: bool = setting(False, help="record operator input shapes")
+    profile_memory: bool = setting(False, help="record tensor allocations")
+    with_stack: bool = setting(False, help="record Python call stacks (much larger traces)")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RecipeConfig:
-    output_dir: str = "runs/tiny"
-    max_steps: int = 30
-    seed: int = 42
-    model: ModelConfig = field(default_factory=ModelConfig)
-    lora: LoraConfig | None = field(default_factory=LoraConfig)  # null = full fine-tune
-    data: DataConfig = field(default_factory=DataConfig)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    batch: BatchConfig = field(default_factory=BatchConfig)
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    rewards: dict[str, Any] = field(default_factory=lambda: {"tiny_world": {"weight": 1.0}})
-    normalize_rewards_per_group: bool = False  # normalise each reward within its group before weighting (MixGRPO)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    ema: EMAConfig = field(default_factory=EMAConfig)
-    faults: FaultsConfig = field(default_factory=FaultsConfig)
-    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    output_dir: str = setting(resume=FREE, path=True, help="run folder: logs, samples, checkpoints, final weights")
+    max_steps: int = setting(resume=FREE, help="GRPO steps to run")
+    seed: int = setting(help="every random draw is a function of (seed, step, sample index)")
+    model: ModelConfig = setting(help="the FLUX model")
+    lora: LoraConfig | None = setting(help="LoRA adapters; null = full fine-tune (lora.rank=N on a full preset "
+                                           "switches LoRA on with rank 8, alpha 16, q/k/v/out targets for keys not given)")
+    data: DataConfig = setting(help="prompt files and the embedding cache")
+    sampling: SamplingConfig = setting(help="rollouts")
+    batch: BatchConfig = setting(help="global batch and micro-batches")
+    grpo: GRPOConfig = setting(help="the GRPO loss")
+    rewards: dict[str, Any] = setting(help="{name: weight} or {name: {weight: w, option: value}}; see Reward options")
+    normalize_rewards_per_group: bool = setting(
+        False, help="normalise each reward within its group before weighting (MixGRPO)")
+    optim: OptimConfig = setting(help="AdamW and gradient clipping")
+    deepspeed: DeepSpeedConfig = setting(help="DeepSpeed ZeRO-3")
+    logging: LoggingConfig = setting(resume=FREE, help="metrics, samples and eval")
+    checkpoint: CheckpointConfig = setting(resume=FREE, help="resumable checkpoints")
+    ema: EMAConfig = setting(resume=FREE, factory=EMAConfig, help="exponential moving average of the weights")
+    faults: FaultsConfig = setting(resume=FREE, help="handling of non-finite steps and hung ranks")
+    profile: ProfileConfig = setting(resume=FREE, factory=ProfileConfig, help="torch.profiler traces")
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Loading: YAML -> dict -> typed dataclasses, unknown keys and wrong types rejected.
-
-
-def _is_dataclass_type(tp: Any) -> bool:
-    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
-
-
-def _optional_inner(tp: Any) -> tuple[Any, bool]:
-    """Return (inner type, is_optional) for `X | None`."""
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return (args[0] if len(args) == 1 else typing.Union[tuple(args)]), type(None) in typing.get_args(tp)
-    return tp, False
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    inner, optional = _optional_inner(tp)
-    if value is None:
-        if optional:
-            return None
-        raise ConfigError(f"{key}: may not be null; give a {_type_name(inner)}")
-    if _is_dataclass_type(inner):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping of settings, got {value!r}")
-        return _build(inner, value, key)
-    if isinstance(inner, types.UnionType) or typing.get_origin(inner) is typing.Union:
-        for option in typing.get_args(inner):
-            try:
-                return _coerce(value, option, key)
-            except ConfigError:
-                pass
-        names = " or ".join(_type_name(a) for a in typing.get_args(inner))
-        raise ConfigError(f"{key}: expected {names}, got {value!r}")
-    origin = typing.get_origin(inner)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        (item_tp,) = typing.get_args(inner)
-        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return dict(value)
-    if inner is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if inner is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    if inner is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads 1e-4 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
-    if inner is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
-    return value
-
-
-def _build(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in raw if k not in names]
-    if unknown:
-        where = f"{prefix}." if prefix else ""
-        raise ConfigError(
-            f"{where}{unknown[0]}: unknown setting; valid keys{' under ' + prefix if prefix else ''}: {', '.join(names)}"
-        )
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        key = f"{prefix}.{f.name}" if prefix else f.name
-        if f.name in raw:
-            kwargs[f.name] = _coerce(raw[f.name], hints[f.name], key)
-    return cls(**kwargs)
-
-
-def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = raw
-    for part in parts[:-1]:
-        child = node.get(part)
-        if child is None:
-            child = {}
-            node[part] = child
-        if not isinstance(child, dict):
-            raise ConfigError(f"{dotted}: '{part}' is not a section, so it has no sub-keys")
-        node = child
-    node[parts[-1]] = value
-
-
-def _default_dict(cls: type) -> dict[str, Any]:
-    return dataclasses.asdict(cls())
+# Loading: YAML -> dict -> typed dataclasses, unknown, missing and mistyped keys rejected, then validate().
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RecipeConfig:
-    """Load a YAML preset, apply `key.sub=value` overrides, and return the typed config.
+    """Load a YAML preset, apply `key.sub=value` overrides, check every setting (:func:`validate`) and return it.
 
-    Missing keys take the schema's defaults; unknown keys, wrong types and malformed overrides raise ConfigError.
+    Unknown or missing keys, wrong types, malformed overrides and bad values raise a one-line ConfigError.
     """
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config: {path} does not exist; pass a preset such as recipes/configs/tiny/grpo_lora.yaml")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" (line {mark.line + 1})" if mark is not None else ""
-            raise ConfigError(f"config: {path} is not valid YAML{where}; fix the syntax") from None
+        loaded = read_yaml(path)
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
@@ -308,16 +210,31 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r}: expected key=value, e.g. max_steps=10")
         key, text = item.split("=", 1)
-        try:
-            value = yaml.safe_load(text) if text != "" else None
-        except yaml.YAMLError:
-            value = text
+        value = parse_value(text)
         if key == "lora" and value is not None and not isinstance(value, dict):
             raise ConfigError("lora: expected null (full fine-tune) or a mapping of LoRA settings")
         if key.startswith("lora.") and raw.get("lora", "absent") is None:
-            raw["lora"] = _default_dict(LoraConfig)  # lora.rank=16 on a full preset switches LoRA on
-        _set_dotted(raw, key, value)
-    return _build(RecipeConfig, raw)
+            raw["lora"] = {**LORA_SWITCH_DEFAULTS}  # lora.rank=16 on a full preset switches LoRA on
+        set_dotted(raw, key, value)
+    cfg = build(RecipeConfig, raw, source=str(path) if path is not None else None)
+    validate(cfg)
+    return cfg
+
+
+def resume_free(dotted: str) -> bool:
+    """Whether a setting (a flattened key such as `logging.eval_every`) may differ when a checkpoint is resumed."""
+    return any(f.metadata.get("resume") == FREE for f in fields_along(RecipeConfig, dotted))
+
+
+def is_path(dotted: str) -> bool:
+    """Whether a setting names a file or folder (compared by the place it names, not its spelling)."""
+    along = fields_along(RecipeConfig, dotted)
+    return len(along) == len(dotted.split(".")) and bool(along[-1].metadata.get("path"))
+
+
+def describe_settings() -> str:
+    """Every recipe setting with its type, default (or "required") and help, for --help."""
+    return "\n".join(["Settings (YAML keys; override with key.sub=value):", *describe(RecipeConfig)])
 
 
 def to_dict(cfg: RecipeConfig) -> dict[str, Any]:
@@ -377,8 +294,8 @@ def trained_transitions(num_steps: int, timestep_fraction: float) -> int:
 
 
 def derive_layout(cfg: RecipeConfig, world_size: int) -> Layout:
-    """Check the batch arithmetic for `world_size` processes and return the per-rank layout."""
-    validate(cfg)
+    """Check the batch arithmetic for `world_size` processes and return the per-rank layout (`cfg` is validated by
+    load_config)."""
     b, s = cfg.batch, cfg.sampling
     n = b.prompts_per_step * s.group_size
     if n % world_size:
@@ -459,8 +376,8 @@ def validate(cfg: RecipeConfig) -> None:
         raise ConfigError("sampling.eta: 0 makes rollouts deterministic and log-probs undefined; train with eta > 0")
     _positive(cfg.optim.lr, "optim.lr", "e.g. 1e-5 full fine-tune, 3e-4 LoRA")
     _positive(cfg.optim.max_grad_norm, "optim.max_grad_norm", "DanceGRPO uses 1.0")
-    if len(cfg.optim.betas) != 2:
-        raise ConfigError(f"optim.betas: expected two numbers, got {cfg.optim.betas}")
+    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
+        raise ConfigError(f"optim.betas: expected two numbers in [0, 1), got {cfg.optim.betas}; e.g. [0.9, 0.999]")
     if cfg.lora is not None:
         _positive(cfg.lora.rank, "lora.rank", "e.g. 8 (tiny) or 128 (FLUX.1-dev)")
         if not cfg.lora.target_modules:

@@ -110,8 +110,21 @@ def check_inputs(cfg: RecipeConfig, world_size: int) -> Inputs:
     return Inputs(layout, model_path, ds_config)
 
 
+class _SettingsHelpParser(argparse.ArgumentParser):
+    """--help also lists every setting and reward option, from the schema (built only when asked: it imports the
+    reward modules)."""
+
+    def format_help(self) -> str:
+        from grpo.config import describe_settings
+        from grpo.rewards.registry import describe_rewards
+
+        rewards = ["Reward options (rewards.NAME.OPTION; NAME@label to use a reward twice):",
+                   *("  " + line for line in describe_rewards())]
+        return "\n".join([super().format_help(), describe_settings(), "", *rewards, ""])
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Run the recipe's start-up checks for a preset; exit 2 on bad input.")
+    parser = _SettingsHelpParser(prog="python -m grpo.inputs", description="Run the recipe's start-up checks for a preset; exit 2 on bad input.")
     parser.add_argument("--world-size", type=int, required=True, help="processes the run will have, over all nodes")
     parser.add_argument("config", help="YAML preset, e.g. recipes/configs/tiny/grpo_lora.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. max_steps=10")

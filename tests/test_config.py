@@ -147,9 +147,92 @@ def test_ds_config_with_batch_fields_is_rejected(tmp_path):
 
 @pytest.mark.parametrize("value", ["6", "128", "-8"])
 def test_rollout_micro_batch_must_be_a_dividing_multiple_of_the_update_micro_batch(value):
-    # tiny preset: micro-batch 8, 32 images per process on 2 processes
-    cfg = load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml", [f"batch.rollout_micro_batch_size={value}"])
+    # tiny preset: micro-batch 8, 32 images per process on 2 processes; -8 is refused by load_config already
     with pytest.raises(ConfigError, match="^batch.rollout_micro_batch_size: "):
+        cfg = load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml", [f"batch.rollout_micro_batch_size={value}"])
         derive_layout(cfg, 2)
     assert derive_layout(load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml",
                                      ["batch.rollout_micro_batch_size=16"]), 2).rollout_micro_batch_size == 16
+
+
+def test_a_preset_missing_a_required_key_names_it_and_its_help(tmp_path):
+    text = (ROOT / "recipes/configs/tiny/grpo_lora.yaml").read_text().replace("  eta: 0.7", "  # eta removed")
+    preset = tmp_path / "p.yaml"
+    preset.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(preset)
+    assert str(e.value).startswith(f"sampling.eta: missing from {preset}; add it (SDE noise")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("optim.lr=inf", "optim.lr: must be a finite number, got inf"),
+    ("optim.lr=.inf", "optim.lr: must be a finite number, got inf"),
+    ("sampling.eta=.nan", "sampling.eta: must be a finite number, got nan"),
+    ("optim.lr='1e-4'", "optim.lr: expected a number, got '1e-4'"),
+    ("optim.betas=[0.9, 1.0]", "optim.betas: expected two numbers in [0, 1)"),
+    ("optim.betas=[-0.1, 0.9]", "optim.betas: expected two numbers in [0, 1)"),
+])
+def test_non_finite_and_out_of_range_numbers_are_refused(override, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml", [override])
+    assert str(e.value).startswith(needle) and "\n" not in str(e.value)
+
+
+def test_exponent_without_dot_is_a_number():
+    assert load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml", ["optim.lr=1e-4"]).optim.lr == 1e-4
+
+
+def test_duplicate_yaml_key_is_refused_with_its_line(tmp_path):
+    preset = tmp_path / "dup.yaml"
+    text = (ROOT / "recipes/configs/tiny/grpo_lora.yaml").read_text()
+    preset.write_text(text.replace("  eta: 0.7", "  eta: 0.7\n  eta: 0.3"))
+    line = text.splitlines().index("  eta: 0.7                        # more exploration than FLUX.1-dev's 0.3: 6 "
+                                   "steps only") + 1
+    with pytest.raises(ConfigError) as e:
+        load_config(preset)
+    assert str(e.value) == f"config: {preset} line {line + 1}: key 'eta' is already set at line {line}; keep one"
+
+
+def test_non_utf8_config_is_one_line(tmp_path):
+    preset = tmp_path / "latin1.yaml"
+    preset.write_bytes("output_dir: runs/caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"^config: .*latin1.yaml is not UTF-8 text \(byte 20\); save it as UTF-8$"):
+        load_config(preset)
+
+
+def test_lora_switch_on_a_full_preset_fills_the_documented_lora_keys():
+    from grpo.config import LORA_SWITCH_DEFAULTS
+
+    lora = load_config(ROOT / "recipes/configs/tiny/grpo_full.yaml", ["lora.rank=16"]).lora
+    assert lora.rank == 16 and lora.alpha == LORA_SWITCH_DEFAULTS["alpha"]
+    assert lora.target_modules == LORA_SWITCH_DEFAULTS["target_modules"]
+    with pytest.raises(ConfigError, match="^lora.rank: missing from"):
+        load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml", ["lora={alpha: 2, init: gaussian, "
+                                                                   "target_modules: [to_q]}"])
+
+
+def test_resume_rules_and_paths_come_from_the_schema():
+    from grpo.config import is_path, resume_free
+
+    assert resume_free("logging.eval_every") and resume_free("checkpoint") and resume_free("model.zero_init")
+    assert not resume_free("optim.lr") and not resume_free("rewards.hpsv2.weight") and not resume_free("lora")
+    assert not resume_free("no_such.key")
+    assert is_path("model.path") and is_path("deepspeed.config") and not is_path("model.dtype")
+
+
+def test_help_lists_every_setting_with_its_help(capsys):
+    import dataclasses
+
+    from grpo.config import RecipeConfig
+    from grpo.inputs import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for section in dataclasses.fields(RecipeConfig):
+        assert f"  {section.name} (" in out
+    assert "  sampling.eta (float; required): SDE noise" in out
+    assert "  ema.decay (float or null; default null): " in out
+    assert "  logging.eval_every (int; required): " in out and "[may change on resume]" in out
+    assert "\n  hpsv2: HPS" in out and "    version (v2.0 | v2.1; default v2.1): " in out

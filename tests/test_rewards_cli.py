@@ -34,7 +34,7 @@ def test_list(capsys) -> None:
     out = capsys.readouterr().out
     for name in REGISTRY:
         assert f"\n{name}: " in "\n" + out
-    assert "logit_scale = False" in out
+    assert "logit_scale (bool; default false): " in out
 
 
 def test_score_prints_scores_and_mean(image_dir, tiny_reward_spec, tmp_path, capsys) -> None:

@@ -40,21 +40,22 @@ def test_unknown_name_lists_valid_names() -> None:
 @pytest.mark.parametrize(
     ("spec", "pattern"),
     [
-        ({"jpeg_compressibility": {"qualty": 90}}, r"rewards\.jpeg_compressibility: unknown option\(s\) qualty; "
-                                                   r"valid options: batch_size, quality, weight"),
-        ({"jpeg_compressibility": {"quality": "high"}}, r"rewards\.jpeg_compressibility\.quality: expected int"),
+        ({"jpeg_compressibility": {"qualty": 90}}, r"rewards\.jpeg_compressibility\.qualty: unknown setting; "
+                                                   r"valid keys under rewards\.jpeg_compressibility: weight, "
+                                                   r"batch_size, quality"),
+        ({"jpeg_compressibility": {"quality": "high"}}, r"rewards\.jpeg_compressibility\.quality: expected an integer"),
         ({"jpeg_compressibility": {"quality": 101}}, r"quality: 101 outside 1-95"),
-        ({"jpeg_compressibility": {"weight": "1"}}, r"\.weight: expected float"),
+        ({"jpeg_compressibility": {"weight": "1"}}, r"\.weight: expected a number"),
         ({"jpeg_compressibility": {"weight": float("nan")}}, r"\.weight: must be a finite number"),
         ({"jpeg_compressibility": {"batch_size": 0}}, r"\.batch_size: must be >= 1"),
         ({"hpsv2": {"dtype": "float64"}}, r"rewards\.hpsv2\.dtype: 'float64' is not one of"),
         ({"hpsv2": {"device": "cuda:3"}}, r"rewards\.hpsv2\.device: 'cuda:3' is not one of 'cpu'"),
-        ({"hpsv2": {"offload": "yes"}}, r"rewards\.hpsv2\.offload: expected bool"),
+        ({"hpsv2": {"offload": "yes"}}, r"rewards\.hpsv2\.offload: expected true or false"),
         ({"hpsv2": {"version": "v3"}}, r"rewards\.hpsv2\.version: 'v3' is not one of 'v2.0', 'v2.1'"),
         ({"hpsv2": {"model": "ViT-Q-99"}}, r"rewards\.hpsv2\.model: unknown open_clip architecture 'ViT-Q-99'"),
         ({"clip_score": {"pretrained": "no_such_tag"}}, r"'no_such_tag' is not an open_clip tag of ViT-H-14 \(tags: "
                                                         r".*laion2b_s32b_b79k"),
-        ({"pickscore": {"logit_scale": 1}}, r"rewards\.pickscore\.logit_scale: expected bool"),
+        ({"pickscore": {"logit_scale": 1}}, r"rewards\.pickscore\.logit_scale: expected true or false"),
         ({"pickscore": [1.0]}, r"rewards\.pickscore: expected a weight or a map of options"),
         ({}, r"rewards: expected a non-empty map"),
     ],

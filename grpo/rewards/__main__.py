@@ -17,18 +17,13 @@ from pathlib import Path
 import torch
 
 from grpo.errors import ConfigError
-from grpo.rewards.registry import REGISTRY, build_rewards, reward_class
+from grpo.rewards.registry import build_rewards, describe_rewards
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
 
 def _list() -> None:
-    for name in REGISTRY:
-        cls = reward_class(name)
-        print(f"{name}: {cls.DESCRIPTION}")
-        for key, opt in cls.OPTIONS.items():
-            print(f"    {key} = {opt.default!r}  ({opt.type_name()}) {opt.doc}")
-    print("pkg.module:factory: your own reward; factory(**options) returns (images, prompts) -> scores")
+    print("\n".join(describe_rewards()))
 
 
 def _parse_option(text: str) -> tuple[str, object]:

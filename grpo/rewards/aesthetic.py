@@ -13,6 +13,7 @@ whatever `dtype` says (it is tiny and its inputs are normalised embeddings).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,19 +21,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from grpo.errors import ConfigError
-from grpo.rewards.base import ModelReward
-from grpo.rewards.clip_score import OPEN_CLIP_OPTIONS
 from grpo.rewards.hub import FileRef, locate
-from grpo.rewards.openclip_loader import (
-    OpenClipPlan,
-    clip_preprocess,
-    load_open_clip,
-    plan_open_clip,
-    register_model_config,
-)
-from grpo.rewards.options import MODEL_OPTIONS, Option
+from grpo.rewards.openclip_loader import OpenClipReward
+from grpo.rewards.options import OpenClipOptions
+from grpo.schema import setting
 
-__all__ = ["AestheticReward", "AestheticMLP", "MLP_KEYS"]
+__all__ = ["AestheticReward", "AestheticOptions", "AestheticMLP", "MLP_KEYS"]
 
 MLP_REPO = "camenduru/improved-aesthetic-predictor"
 MLP_FILE = "sac+logos+ava1-l14-linearMSE.pth"
@@ -66,42 +60,26 @@ class AestheticMLP(nn.Module):
         return self.layers(embeddings)
 
 
-class AestheticReward(ModelReward):
+@dataclass(kw_only=True)
+class AestheticOptions(OpenClipOptions):
+    model: str = setting("ViT-L-14", help="open_clip architecture of the CLIP backbone")
+    pretrained: str = setting("openai", help="open_clip tag, hf-hub:ORG/NAME, local open_clip folder or file")
+    mlp_repo: str = setting(MLP_REPO, help="hub id or local folder holding the MLP head")
+    mlp_filename: str = setting(MLP_FILE, help="MLP head file (.pth state dict or .safetensors)")
+
+
+class AestheticReward(OpenClipReward):
     """LAION aesthetic score (prompt-free) of each image."""
 
     DESCRIPTION = "LAION aesthetic MLP (sac+logos+ava1-l14-linearMSE) on normalised CLIP ViT-L/14 embeddings; ~1-10"
-    OPTIONS = {
-        **MODEL_OPTIONS,
-        **OPEN_CLIP_OPTIONS,
-        "model": Option(str, "ViT-L-14", "open_clip architecture of the CLIP backbone"),
-        "pretrained": Option(str, "openai", "open_clip tag, hf-hub:ORG/NAME, local open_clip folder or file"),
-        "mlp_repo": Option(str, MLP_REPO, "hub id or local folder holding the MLP head"),
-        "mlp_filename": Option(str, MLP_FILE, "MLP head file (.pth state dict or .safetensors)"),
-    }
+    OPTIONS = AestheticOptions
 
     @classmethod
-    def _plan(cls, options: dict[str, Any], setting: str) -> OpenClipPlan:
-        register_model_config(options["model_config"], options["model"], setting)
-        return plan_open_clip(options["model"], options["pretrained"], setting)
+    def _extra_files(cls, options: dict[str, Any], setting: str) -> list[FileRef]:
+        return [FileRef(f"{setting}.mlp_repo", options["mlp_repo"], (options["mlp_filename"],), hub_hint=MLP_REPO)]
 
-    @classmethod
-    def _mlp_ref(cls, options: dict[str, Any], setting: str) -> FileRef:
-        return FileRef(f"{setting}.mlp_repo", options["mlp_repo"], (options["mlp_filename"],), hub_hint=MLP_REPO)
-
-    @classmethod
-    def validate(cls, options: dict[str, Any], setting: str) -> None:
-        cls._plan(options, setting)
-
-    @classmethod
-    def files(cls, options: dict[str, Any], setting: str) -> list[FileRef]:
-        return cls._plan(options, setting).files() + [cls._mlp_ref(options, setting)]
-
-    def __init__(self, name: str, device: torch.device, options: dict[str, Any]) -> None:
-        super().__init__(name, device, options)
-        setting = f"rewards.{name}"
-        self.model, _ = load_open_clip(self._plan(options, setting), self.cache_dir, setting)
-        self.preprocess_cfg = dict(self.model.visual.preprocess_cfg)
-        path = locate(self._mlp_ref(options, setting), self.cache_dir, download=True)
+    def _load_extra(self, options: dict[str, Any], setting: str) -> None:
+        path = locate(self._extra_files(options, setting)[0], self.cache_dir, download=True)
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
 
@@ -113,7 +91,6 @@ class AestheticReward(ModelReward):
         if self.mlp.layers[0].in_features != embed_dim:
             raise ConfigError(f"{setting}: the MLP head takes {self.mlp.layers[0].in_features}-d embeddings but "
                               f"{options['model']} gives {embed_dim}-d; use the head trained on this CLIP")
-        self.place()
 
     def modules(self) -> list[nn.Module]:
         return [self.model, self.mlp]
@@ -121,10 +98,6 @@ class AestheticReward(ModelReward):
     def place(self) -> None:
         super().place()
         self.mlp.float()
-
-    def preprocess(self, images: Tensor) -> Tensor:
-        """CLIP ViT-L/14 eval transform on [B, 3, H, W] in [0, 1]."""
-        return clip_preprocess(images.float(), self.preprocess_cfg)
 
     def score(self, images: Tensor, prompts: list[str]) -> Tensor:
         embeddings = self.model.encode_image(self.preprocess(images).to(self.dtype)).float()

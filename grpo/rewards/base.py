@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from grpo.rewards.hub import FileRef
-from grpo.rewards.options import COMMON_OPTIONS, Option, parse_dtype
+from grpo.rewards.options import CommonOptions, parse_dtype
 from grpo.rewards.preprocess import check_images
 
 __all__ = ["Reward", "ModelReward", "unique_prompts", "freeze"]
@@ -42,11 +42,11 @@ class Reward:
     list their modules in `modules()` so `load`/`offload` can move them.
 
     Class attributes:
-        OPTIONS: the options the preset may set (validated by check_rewards).
+        OPTIONS: the dataclass of options the preset may set (grpo/rewards/options.py; validated by check_rewards).
         DESCRIPTION: one line for `python -m grpo.rewards --list`.
     """
 
-    OPTIONS: ClassVar[dict[str, Option]] = COMMON_OPTIONS
+    OPTIONS: ClassVar[type] = CommonOptions
     DESCRIPTION: ClassVar[str] = ""
 
     def __init__(self, name: str, batch_size: int | None = None) -> None:
@@ -116,7 +116,7 @@ class ModelReward(Reward):
     Args:
         name: the reward's key in the spec.
         device: the rank's device (build_rewards' argument).
-        options: validated options including MODEL_OPTIONS (dtype, device, offload, batch_size).
+        options: validated options including ModelOptions' (dtype, device, offload, batch_size).
     """
 
     def __init__(self, name: str, device: torch.device, options: dict[str, Any]) -> None:

@@ -19,13 +19,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from grpo.errors import ConfigError
+from grpo.rewards.base import ModelReward, unique_prompts
 from grpo.rewards.hub import FileRef, is_local, locate
 from grpo.rewards.preprocess import normalize, resize_longest_pad, resize_shortest_center_crop, squash
 
-__all__ = ["OpenClipPlan", "check_arch", "plan_open_clip", "register_model_config", "load_open_clip", "clip_preprocess"]
+__all__ = ["OpenClipPlan", "OpenClipReward", "check_arch", "plan_open_clip", "register_model_config", "load_open_clip",
+           "clip_preprocess"]
 
 logger = logging.getLogger(__name__)
 
@@ -185,3 +189,54 @@ def clip_preprocess(images: Tensor, cfg: dict[str, Any]) -> Tensor:
             raise ValueError("open_clip 'shortest' resize with a non-square size is not supported")
         x = resize_shortest_center_crop(images, h, (h, w), interp, crop_rounding="torchvision", clamp=True)
     return normalize(x, cfg["mean"], cfg["std"])
+
+
+class OpenClipReward(ModelReward):
+    """An open_clip-backed reward (HPS, CLIP score, the aesthetic predictor): plan, start-up checks, loading.
+
+    Subclasses choose the options (OPTIONS) and may override `_plan` (which files, which architecture), `_extra_files`
+    and `_load_extra` (more than the CLIP model), `modules` and `score`.
+    """
+
+    @classmethod
+    def _plan(cls, options: dict[str, Any], setting: str) -> OpenClipPlan:
+        register_model_config(options["model_config"], options["model"], setting)
+        return plan_open_clip(options["model"], options["pretrained"], setting)
+
+    @classmethod
+    def _extra_files(cls, options: dict[str, Any], setting: str) -> list[FileRef]:
+        return []
+
+    @classmethod
+    def validate(cls, options: dict[str, Any], setting: str) -> None:
+        cls._plan(options, setting)
+
+    @classmethod
+    def files(cls, options: dict[str, Any], setting: str) -> list[FileRef]:
+        return cls._plan(options, setting).files() + cls._extra_files(options, setting)
+
+    def __init__(self, name: str, device: torch.device, options: dict[str, Any]) -> None:
+        super().__init__(name, device, options)
+        setting = f"rewards.{name}"
+        self.model, self.tokenizer = load_open_clip(self._plan(options, setting), self.cache_dir, setting)
+        self.preprocess_cfg = dict(self.model.visual.preprocess_cfg)
+        self._load_extra(options, setting)
+        self.place()
+
+    def _load_extra(self, options: dict[str, Any], setting: str) -> None:
+        """Reads what the reward needs besides the CLIP model (before `place`)."""
+
+    def modules(self) -> list[nn.Module]:
+        return [self.model]
+
+    def preprocess(self, images: Tensor) -> Tensor:
+        """This model's open_clip eval transform on [B, 3, H, W] in [0, 1]."""
+        return clip_preprocess(images.float(), self.preprocess_cfg)
+
+    def cosine(self, pixels: Tensor, prompts: list[str], device: torch.device) -> Tensor:
+        """Cosine of the L2-normalised image and prompt embeddings ([b]); each distinct prompt is encoded once."""
+        texts, inverse = unique_prompts(prompts)
+        tokens = self.tokenizer(texts).to(device)
+        image_features = F.normalize(self.model.encode_image(pixels).float(), dim=-1)
+        text_features = F.normalize(self.model.encode_text(tokens).float(), dim=-1)
+        return (image_features * text_features[inverse.to(device)]).sum(-1)

@@ -1,118 +1,78 @@
-"""Typed per-reward options: the schema each reward declares, and its validation into ConfigError messages."""
+"""Typed per-reward options, declared like the recipe settings (grpo/schema.py) so errors and --help read the same.
+
+Every reward option has a default: a reward named with just a weight (`hpsv2: 1.0`) means the published model.
+"""
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from grpo import device as _device
 from grpo.errors import ConfigError
+from grpo.schema import build, setting
 
-__all__ = ["Option", "COMMON_OPTIONS", "MODEL_OPTIONS", "validate_options", "parse_dtype"]
+__all__ = ["CommonOptions", "ModelOptions", "OpenClipArch", "OpenClipOptions", "validate_options", "parse_dtype",
+           "DTYPE_NAMES"]
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+# The recipe's short dtype names (grpo/device.py's table) and torch's long ones, both accepted by reward models.
+DTYPE_NAMES = (*_device._DTYPES, *(str(d).removeprefix("torch.") for d in _device._DTYPES.values()))
 
 
-@dataclass(frozen=True)
-class Option:
-    """One option of a reward.
-
-    Attributes:
-        kind: accepted Python type: float (ints accepted), int, bool or str.
-        default: value used when the option is absent.
-        doc: one-line description, shown by `--list` and in error messages.
-        nullable: whether None (YAML null) is accepted.
-        choices: allowed values, or None for any value of `kind`.
-    """
-
-    kind: type
-    default: Any
-    doc: str
-    nullable: bool = False
-    choices: tuple[Any, ...] | None = None
-
-    def type_name(self) -> str:
-        name = self.kind.__name__
-        if self.choices is not None:
-            name = " | ".join(repr(c) for c in self.choices)
-        return f"{name} or null" if self.nullable else name
+@dataclass(kw_only=True)
+class CommonOptions:
+    weight: float = setting(1.0, help="weight of this reward in the mix (negative allowed, 0 = logged only)")
+    batch_size: int | None = setting(32, help="images scored per forward pass; bigger batches are split; null = all")
 
 
-COMMON_OPTIONS: dict[str, Option] = {
-    "weight": Option(float, 1.0, "weight of this reward in the mix (negative allowed, 0 = logged only)"),
-    "batch_size": Option(int, 32, "images scored per forward pass; bigger batches are split", nullable=True),
-}
+@dataclass(kw_only=True)
+class ModelOptions(CommonOptions):
+    """Options every reward backed by a neural network has."""
 
-# Options every reward backed by a neural network has.
-MODEL_OPTIONS: dict[str, Option] = {
-    **COMMON_OPTIONS,
-    "dtype": Option(str, "float32", "weights dtype of the reward model", choices=tuple(_DTYPES)),
-    "device": Option(str, None, "null = the rank's device; cpu = keep the model on the CPU", nullable=True,
-                     choices=("cpu",)),
-    "offload": Option(bool, False, "keep the model on the CPU between scoring phases (Rewards.on_device())"),
-    "cache_dir": Option(str, None, "Hugging Face cache folder (default: HF_HUB_CACHE)", nullable=True),
-}
+    dtype: str = setting("float32", choices=DTYPE_NAMES, help="weights dtype of the reward model")
+    device: str | None = setting(None, choices=("cpu",), help="null = the rank's device; cpu = keep the model on the CPU")
+    offload: bool = setting(False, help="keep the model on the CPU between scoring phases (Rewards.on_device())")
+    cache_dir: str | None = setting(None, help="Hugging Face cache folder (default: HF_HUB_CACHE)")
+
+
+@dataclass(kw_only=True)
+class OpenClipArch(ModelOptions):
+    model: str = setting("ViT-H-14", help="open_clip architecture (ignored when pretrained is hf-hub:/a folder)")
+    model_config: str | None = setting(None, help="open_clip model-config JSON registering `model` (custom/tiny)")
+
+
+@dataclass(kw_only=True)
+class OpenClipOptions(OpenClipArch):
+    pretrained: str = setting("laion2b_s32b_b79k",
+                              help="open_clip tag of `model`, hf-hub:ORG/NAME, local open_clip folder or checkpoint file")
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    """Maps a dtype option ('float32', 'bf16', ...) to a torch dtype."""
-    return _DTYPES[name]
+    """A dtype option ('float32', 'bf16', ...) as a torch dtype."""
+    if name in _device._DTYPES:
+        return _device.resolve_dtype(name)
+    return getattr(torch, name)
 
 
-def _type_ok(value: Any, opt: Option) -> bool:
-    if value is None:
-        return opt.nullable
-    if opt.kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if opt.kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, opt.kind)
-
-
-def validate_options(raw: dict[str, Any], schema: dict[str, Option], setting: str) -> dict[str, Any]:
-    """Checks names, types and choices of `raw` against `schema` and fills in defaults.
+def validate_options(raw: dict[str, Any], schema: type, setting_name: str) -> dict[str, Any]:
+    """Checks `raw` against the reward's options dataclass `schema` and fills in defaults.
 
     Args:
         raw: the options as written in the preset (YAML -> dict).
-        schema: the reward's declared options.
-        setting: dotted name used in messages, e.g. "rewards.hpsv2".
+        schema: the reward's OPTIONS dataclass.
+        setting_name: dotted name used in messages, e.g. "rewards.hpsv2".
 
     Returns:
-        A new dict with every schema option present (floats as float).
+        A new dict with every option present (floats as float).
 
     Raises:
         ConfigError: unknown option (the message lists the valid ones), wrong type or value.
     """
-    unknown = sorted(set(raw) - set(schema))
-    if unknown:
-        raise ConfigError(
-            f"{setting}: unknown option(s) {', '.join(unknown)}; valid options: {', '.join(sorted(schema))}"
-        )
-    out: dict[str, Any] = {}
-    for key, opt in schema.items():
-        value = raw.get(key, opt.default)
-        if not _type_ok(value, opt):
-            raise ConfigError(
-                f"{setting}.{key}: expected {opt.type_name()}, got {value!r} ({type(value).__name__}); {opt.doc}"
-            )
-        if value is not None and opt.choices is not None and value not in opt.choices:
-            raise ConfigError(
-                f"{setting}.{key}: {value!r} is not one of {', '.join(map(repr, opt.choices))}; {opt.doc}"
-            )
-        if opt.kind is float and value is not None:
-            value = float(value)
-            if not math.isfinite(value):
-                raise ConfigError(f"{setting}.{key}: must be a finite number, got {value}")
-        out[key] = value
+    out = dataclasses.asdict(build(schema, raw, setting_name))
     if out.get("batch_size") is not None and out["batch_size"] < 1:
-        raise ConfigError(f"{setting}.batch_size: must be >= 1 or null (whole batch at once), got {out['batch_size']}")
+        raise ConfigError(f"{setting_name}.batch_size: must be >= 1 or null (whole batch at once), "
+                          f"got {out['batch_size']}")
     return out

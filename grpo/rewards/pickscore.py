@@ -17,6 +17,7 @@ transformers >= 5 returns a BaseModelOutputWithPooling from get_*_features; `_em
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,10 +26,11 @@ from torch import Tensor, nn
 
 from grpo.rewards.base import ModelReward, unique_prompts
 from grpo.rewards.hub import FileRef, hub_offline, is_local
-from grpo.rewards.options import MODEL_OPTIONS, Option
+from grpo.rewards.options import ModelOptions
 from grpo.rewards.preprocess import normalize, resize_shortest_center_crop
+from grpo.schema import setting
 
-__all__ = ["PickScoreReward"]
+__all__ = ["PickScoreReward", "PickScoreOptions"]
 
 MODEL_REPO = "yuvalkirstain/PickScore_v1"
 PROCESSOR_REPO = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
@@ -47,17 +49,19 @@ def _get(cfg: Any, key: str) -> Any:
     return cfg[key] if isinstance(cfg, dict) else getattr(cfg, key, None)
 
 
+@dataclass(kw_only=True)
+class PickScoreOptions(ModelOptions):
+    model: str = setting(MODEL_REPO, help="hub id or local folder of the PickScore CLIPModel")
+    processor: str = setting(PROCESSOR_REPO, help="hub id or local folder of the CLIP processor (tokenizer + image)")
+    logit_scale: bool = setting(False, help="multiply the cosine by exp(logit_scale) (~100); DanceGRPO: false")
+    max_length: int = setting(77, help="prompt token limit (longer prompts are truncated)")
+
+
 class PickScoreReward(ModelReward):
     """PickScore of each image against its prompt."""
 
     DESCRIPTION = "PickScore_v1: transformers CLIPModel cosine(image, prompt) (x exp(logit_scale) if logit_scale)"
-    OPTIONS = {
-        **MODEL_OPTIONS,
-        "model": Option(str, MODEL_REPO, "hub id or local folder of the PickScore CLIPModel"),
-        "processor": Option(str, PROCESSOR_REPO, "hub id or local folder of the CLIP processor (tokenizer + image)"),
-        "logit_scale": Option(bool, False, "multiply the cosine by exp(logit_scale) (~100); DanceGRPO: false"),
-        "max_length": Option(int, 77, "prompt token limit (longer prompts are truncated)"),
-    }
+    OPTIONS = PickScoreOptions
 
     @classmethod
     def files(cls, options: dict[str, Any], setting: str) -> list[FileRef]:

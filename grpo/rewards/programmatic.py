@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -10,7 +11,8 @@ from torch import Tensor
 
 from grpo.errors import ConfigError
 from grpo.rewards.base import Reward
-from grpo.rewards.options import COMMON_OPTIONS, Option
+from grpo.rewards.options import CommonOptions
+from grpo.schema import setting
 
 __all__ = ["TinyWorldReward", "JpegIncompressibility", "JpegCompressibility", "jpeg_kilobytes"]
 
@@ -19,7 +21,7 @@ class TinyWorldReward(Reward):
     """grpo.tiny.world.score: how well an image shows "a {color} {shape} on a {background} background", in [0, 1]."""
 
     DESCRIPTION = "tiny world's programmatic reward (grpo.tiny.world.score), in [0, 1]"
-    OPTIONS = COMMON_OPTIONS
+    OPTIONS = CommonOptions
 
     @classmethod
     def validate(cls, options: dict[str, Any], setting: str) -> None:
@@ -69,11 +71,16 @@ def jpeg_kilobytes(images: Tensor, quality: int = 95) -> Tensor:
     return torch.tensor(sizes, dtype=torch.float32)
 
 
+@dataclass(kw_only=True)
+class JpegOptions(CommonOptions):
+    quality: int = setting(95, help="JPEG quality, 1-95 (DDPO: 95)")
+
+
 class JpegIncompressibility(Reward):
     """DDPO's jpeg_incompressibility: JPEG size in kB (bigger = more detail)."""
 
     DESCRIPTION = "DDPO jpeg_incompressibility: JPEG size in kB (quality 95)"
-    OPTIONS = {**COMMON_OPTIONS, "quality": Option(int, 95, "JPEG quality, 1-95 (DDPO: 95)")}
+    OPTIONS = JpegOptions
     SIGN = 1.0
 
     @classmethod

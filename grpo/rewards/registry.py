@@ -10,6 +10,7 @@ elsewhere: `factory(**options)` (options other than weight and batch_size) must 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import inspect
 import logging
@@ -24,9 +25,10 @@ from torch import Tensor
 from grpo.errors import ConfigError
 from grpo.rewards.base import Reward
 from grpo.rewards.hub import locate
-from grpo.rewards.options import COMMON_OPTIONS, validate_options
+from grpo.rewards.options import CommonOptions, validate_options
+from grpo.schema import describe
 
-__all__ = ["REGISTRY", "Rewards", "check_rewards", "build_rewards", "reward_class", "normalize_spec"]
+__all__ = ["REGISTRY", "Rewards", "check_rewards", "build_rewards", "reward_class", "normalize_spec", "describe_rewards"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,12 +105,15 @@ class _CustomReward(Reward):
         return torch.as_tensor(self.fn(images, prompts))
 
 
+_COMMON = {f.name for f in dataclasses.fields(CommonOptions)}
+
+
 def _custom_check(key: str, options: dict[str, Any], setting: str) -> tuple[Callable[..., Any], dict[str, Any]]:
     factory = _import(key, setting)
     if not callable(factory):
         raise ConfigError(f"{setting}: {key} is not callable; it must be a factory returning a reward")
-    common = validate_options({k: v for k, v in options.items() if k in COMMON_OPTIONS}, COMMON_OPTIONS, setting)
-    extra = {k: v for k, v in options.items() if k not in COMMON_OPTIONS}
+    common = validate_options({k: v for k, v in options.items() if k in _COMMON}, CommonOptions, setting)
+    extra = {k: v for k, v in options.items() if k not in _COMMON}
     try:
         inspect.signature(factory).bind(**extra)
     except TypeError as err:
@@ -150,6 +155,15 @@ def check_rewards(spec: dict[str, Any]) -> None:
         cls.validate(options, setting)
         for ref in cls.files(options, setting):
             locate(ref, options.get("cache_dir"), download=False)
+
+
+def describe_rewards() -> list[str]:
+    """Each registered reward, its description and its options (type, default, help): `--list` and `--help`."""
+    lines = []
+    for name in REGISTRY:
+        cls = reward_class(name)
+        lines += [f"{name}: {cls.DESCRIPTION}", *("  " + line for line in describe(cls.OPTIONS))]
+    return lines + ["pkg.module:factory: your own reward; factory(**options) returns (images, prompts) -> scores"]
 
 
 def _zero_init_active() -> bool:
@@ -263,7 +277,7 @@ def build_rewards(spec: dict[str, Any], device: torch.device | str) -> Rewards:
             cls = _entry(key)
             if cls is None:
                 factory, options = _custom_check(key, raw, setting)
-                extra = {k: v for k, v in options.items() if k not in COMMON_OPTIONS}
+                extra = {k: v for k, v in options.items() if k not in _COMMON}
                 made = factory(**extra)
                 reward = made if isinstance(made, Reward) else _CustomReward(key, made, options["batch_size"])
                 reward.name = key
