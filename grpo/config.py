@@ -94,9 +94,11 @@ class BatchConfig:
 class GRPOConfig:
     clip_range: float = setting(help="PPO ratio clip epsilon (DanceGRPO: 1e-4)")
     adv_clip: float = setting(help="advantages are clipped to [-adv_clip, adv_clip] (DanceGRPO: 5.0)")
-    std_scope: str = setting(help="advantage std over the group, or the whole batch (Flow-GRPO's global_std)")
+    std_scope: str = setting(help="advantage std over the group, or the whole batch (Flow-GRPO's global_std); both "
+                                  "unbiased (ddof=1), where Flow-GRPO's global std is np.std (ddof=0)")
     timestep_fraction: float = setting(help="share of the N-1 trainable transitions drawn per micro-batch, in (0, 1]")
-    kl_coef: float = setting(0.0, help="KL penalty to the initial policy; 0 = off (no reference model at all)")
+    kl_coef: float = setting(0.0, help="weight of the exact per-step Gaussian KL to the initial policy; 0 = off (no "
+                                       "reference model at all). Flow-GRPO's beta weights KL*dt: kl_coef = beta*dt")
 
 
 @dataclass(kw_only=True)

@@ -172,7 +172,7 @@ def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weight
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m grpo.eval CONFIG [checkpoint=PATH] [weights=auto|ema|model] [key=value ...]`."""
-    from grpo.config import load_config, validate
+    from grpo.config import load_config
 
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -184,7 +184,6 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> str:
         cfg = load_config(argv[0], overrides)
-        validate(cfg)
         return evaluate_checkpoint(cfg, own.get("checkpoint") or None, own.get("weights", "auto"))["dir"]
 
     return run_command(body)

@@ -60,7 +60,7 @@ from grpo import engine as eng
 from grpo import eval as evals
 from grpo import export, health
 from grpo.advantages import group_advantages
-from grpo.config import RecipeConfig, dump_config, load_config, to_dict, validate
+from grpo.config import RecipeConfig, dump_config, load_config, to_dict
 from grpo.data import micro_batches, prompts_for_step, step_noise_generator, trained_steps
 from grpo.distributed import gather_by_index
 from grpo.ema import ShardedEMA
@@ -102,9 +102,10 @@ def build_policy(transformer: torch.nn.Module, cfg: RecipeConfig, ds_config: dic
 
 class FluxGRPORecipe:
     def __init__(self, cfg: RecipeConfig):
-        """Checks everything that can be checked without loading a model, then joins the process group."""
+        """Checks everything that can be checked without loading a model, then joins the process group.
+
+        `cfg` comes from grpo.config.load_config, which has already validated every setting on its own."""
         self.cfg = cfg
-        validate(cfg)  # single-field checks first: nothing else runs on a bad value
         self.dist = dev.init_distributed(cfg.faults.comm_timeout_s)
         self.rank, self.world = self.dist.rank, self.dist.world_size
         self.device = self.dist.device
