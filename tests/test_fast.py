@@ -1,0 +1,130 @@
+"""The fast flow-GRPO building blocks against transcriptions of their official sources: CPS sampling (grpo/sde.py),
+SDE windows (grpo/windows.py), MixGRPO-Flash's DPM-Solver++ tail (grpo/solvers.py), GRPO-Guard's RatioNorm
+(grpo/loss.py)."""
+
+import math
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from grpo.errors import ConfigError
+from grpo.sde import SDE_KINDS, predicted_x0, sde_step
+from tests.test_sde import _DtypeRecorder, _gen, _xv
+
+# --- CPS (flow_grpo@54809b5 sd3_sde_with_logprob.py, sde_type == 'cps') ------------------------------------------
+
+
+def _cps_source(sample, model_output, sigma, sigma_prev, noise_level, prev_sample=None, noise=None):
+    """Flow-GRPO's CPS branch, line for line (sigmas as float32 [B] viewed [B, 1, ...], as the scheduler's)."""
+    view = (-1, *([1] * (sample.ndim - 1)))
+    sigma, sigma_prev = sigma.view(view), sigma_prev.view(view)
+    std_dev_t = sigma_prev * math.sin(noise_level * math.pi / 2)
+    pred_original_sample = sample - sigma * model_output
+    noise_estimate = sample + model_output * (1 - sigma)
+    prev_sample_mean = (pred_original_sample * (1 - sigma_prev)
+                        + noise_estimate * torch.sqrt(sigma_prev**2 - std_dev_t**2))
+    if prev_sample is None:
+        prev_sample = prev_sample_mean + std_dev_t * noise
+    log_prob = -((prev_sample.detach() - prev_sample_mean) ** 2)
+    log_prob = log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
+    return prev_sample, log_prob, prev_sample_mean, std_dev_t
+
+
+def test_cps_is_a_kind_and_old_kinds_kept():
+    assert SDE_KINDS == ("dance", "flow", "cps")
+
+
+@pytest.mark.parametrize("eta", [0.3, 0.8, 1.0])
+def test_cps_matches_flow_grpo_source(eta):
+    x, v = _xv(seed=20)
+    sig, nxt = torch.tensor([0.9, 0.6, 0.25]), torch.tensor([0.8, 0.45, 0.1])
+    noise = torch.randn(x.shape, generator=_gen(21))
+    out = sde_step(x, v, sig, nxt, eta=eta, kind="cps", noise=noise)
+    ref_sample, ref_lp, ref_mean, ref_std = _cps_source(x, v, sig, nxt, eta, noise=noise)
+    assert torch.equal(out.mean, ref_mean) and torch.equal(out.prev_sample, ref_sample)
+    assert torch.equal(out.std, ref_std.flatten()) and torch.equal(out.log_prob, ref_lp)
+    # The log-prob of a given stored sample, too (training).
+    other = ref_sample + 0.01 * torch.randn(x.shape, generator=_gen(22))
+    again = sde_step(x, v, sig, nxt, eta=eta, kind="cps", prev_sample=other)
+    assert torch.equal(again.log_prob, _cps_source(x, v, sig, nxt, eta, prev_sample=other)[1])
+    # Written forms: std = sigma'·sin(eta·pi/2); mean = (1 - sigma')·x̂0 + sigma'·cos(eta·pi/2)·x̂1.
+    b = (-1, 1, 1)
+    x0, x1 = x - sig.view(b) * v, x + (1 - sig.view(b)) * v
+    torch.testing.assert_close(out.std, nxt * math.sin(eta * math.pi / 2))
+    mean = (1 - nxt.view(b)) * x0 + nxt.view(b) * math.cos(eta * math.pi / 2) * x1
+    torch.testing.assert_close(out.mean, mean, atol=2e-6, rtol=1e-5)
+
+
+def test_cps_log_prob_is_unnormalised_and_scalar_sigmas_agree():
+    x, v = _xv(seed=23)
+    noise = torch.randn(x.shape, generator=_gen(24))
+    out = sde_step(x, v, 0.7, 0.5, eta=0.8, kind="cps", noise=noise)
+    # -mean_D (x' - mean)² = -std²·mean_D ε² (no 1/(2 std²), no log std, no constant).
+    torch.testing.assert_close(out.log_prob, -(out.std**2) * (noise**2).mean((1, 2)), rtol=1e-5, atol=1e-7)
+    gauss = torch.distributions.Normal(out.mean, out.std).log_prob(out.prev_sample).mean((1, 2))
+    assert not torch.allclose(out.log_prob, gauss)
+    per_row = sde_step(x, v, torch.full((3,), 0.7), torch.full((3,), 0.5), eta=0.8, kind="cps", noise=noise)
+    torch.testing.assert_close(per_row.prev_sample, out.prev_sample)
+    torch.testing.assert_close(per_row.log_prob, out.log_prob)
+
+
+def test_cps_preserves_the_noise_coefficient():
+    # x at sigma with x̂0 = a, x̂1 = e: the step keeps x' = (1 - sigma')·a + sigma'·(cos·e + sin·ε).
+    g = _gen(25)
+    a, e, eps = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
+    sigma, nxt, eta = 0.8, 0.6, 0.8
+    x, v = (1 - sigma) * a + sigma * e, e - a
+    out = sde_step(x, v, sigma, nxt, eta=eta, kind="cps", noise=eps)
+    c, s = math.cos(eta * math.pi / 2), math.sin(eta * math.pi / 2)
+    torch.testing.assert_close(out.prev_sample, (1 - nxt) * a + nxt * (c * e + s * eps), atol=1e-6, rtol=1e-5)
+    assert c**2 + s**2 == pytest.approx(1.0)
+
+
+def test_cps_noise_level_zero_is_the_deterministic_step():
+    x, v = _xv(seed=26)
+    euler = sde_step(x, v, 0.7, 0.5, eta=0.0).prev_sample
+    zero = sde_step(x, v, 0.7, 0.5, eta=0.0, kind="cps")
+    assert torch.equal(zero.prev_sample, euler) and zero.log_prob is None
+    # The source at noise level 0 is the same step in exact arithmetic (std 0, mean = x - delta·v).
+    _, lp, mean, std = _cps_source(x, v, torch.full((3,), 0.7), torch.full((3,), 0.5), 0.0, noise=torch.zeros_like(x))
+    assert float(std.abs().max()) == 0.0
+    torch.testing.assert_close(mean, euler, atol=1e-6, rtol=0)
+    near = sde_step(x, v, 0.7, 0.5, eta=1e-4, kind="cps", prev_sample=euler).mean
+    torch.testing.assert_close(near, euler, atol=1e-6, rtol=0)
+    # Last step (sigma' = 0): std 0, the step returns x̂0 whatever eta.
+    last = sde_step(x, v, 0.2, 0.0, eta=0.8, kind="cps", noise=torch.randn(x.shape, generator=_gen(27)))
+    assert float(last.std) == 0.0
+    torch.testing.assert_close(last.prev_sample, predicted_x0(x, v, 0.2))
+
+
+def test_cps_first_pass_log_prob_is_bit_identical():
+    x, _ = _xv(seed=28, dtype=torch.bfloat16)
+    v = torch.randn(x.shape, generator=_gen(29)).to(torch.bfloat16).requires_grad_(True)
+    noise = torch.randn(x.shape, generator=_gen(30))
+    sig, nxt = torch.tensor([0.9, 0.6, 0.3]), torch.tensor([0.8, 0.5, 0.2])
+    with torch.no_grad():
+        roll = sde_step(x, v, sig, nxt, eta=0.8, kind="cps", noise=noise)
+    train = sde_step(x, v, sig, nxt, eta=0.8, kind="cps", prev_sample=roll.prev_sample)
+    assert torch.equal(train.log_prob, roll.log_prob) and torch.equal(train.mean, roll.mean)
+    for t in (train.prev_sample, train.mean, train.std, train.log_prob):
+        assert t.dtype == torch.float32
+    train.log_prob.sum().backward()
+    assert v.grad is not None and torch.isfinite(v.grad).all()
+
+
+def test_cps_bad_noise_level_and_no_float64():
+    x, v = _xv()
+    with pytest.raises(ConfigError, match="cps"):
+        sde_step(x, v, 0.5, 0.4, eta=1.5, kind="cps", noise=torch.zeros_like(x))
+    with pytest.raises(ValueError, match="noise"):
+        sde_step(x, v, 0.5, 0.4, eta=0.5, kind="cps")
+    rec = _DtypeRecorder()
+    xb, vb = x.bfloat16(), v.bfloat16()
+    with rec:
+        out = sde_step(xb, vb, 0.5, 0.4, eta=0.8, kind="cps", noise=torch.zeros_like(x))
+        sde_step(xb, vb, torch.tensor([0.5] * 3), torch.tensor([0.4] * 3), eta=0.8, kind="cps",
+                 prev_sample=out.prev_sample)
+    assert not rec.dtypes & {torch.float64, torch.complex64, torch.complex128}, rec.dtypes
