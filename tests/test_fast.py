@@ -10,8 +10,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
+from grpo.data import EVAL_NOISE, INIT_NOISE, PROMPTS, STEP_NOISE, TIMESTEPS, WINDOW
 from grpo.errors import ConfigError
 from grpo.sde import SDE_KINDS, predicted_x0, sde_step
+from grpo.windows import random_window, sde_mask, trainable_bound, window
 from tests.test_sde import _DtypeRecorder, _gen, _xv
 
 # --- CPS (flow_grpo@54809b5 sd3_sde_with_logprob.py, sde_type == 'cps') ------------------------------------------
@@ -128,3 +130,91 @@ def test_cps_bad_noise_level_and_no_float64():
         sde_step(xb, vb, torch.tensor([0.5] * 3), torch.tensor([0.4] * 3), eta=0.8, kind="cps",
                  prev_sample=out.prev_sample)
     assert not rec.dtypes & {torch.float64, torch.complex64, torch.complex128}, rec.dtypes
+
+
+# --- windows ------------------------------------------------------------------------------------------------------
+
+
+def _mixgrpo_states(num_steps, size, tau, stride, iters, roll_back=True):
+    """MixGRPO@e5cdd6a GRPOTrainingStates ("progressive"), transcribed: the windows of iterations 0..iters-1."""
+    m, cur, it, out = num_steps - 2, 0, 0, []
+    for _ in range(iters):
+        out.append(list(range(cur, min(cur + size, m))))
+        it += 1
+        if it >= tau:
+            it, cur = 0, cur + stride
+        if cur > m:
+            cur = 0 if roll_back else m
+    return out
+
+
+@pytest.mark.parametrize("t,w,tau,s", [(25, 4, 25, 1), (25, 4, 20, 4), (10, 3, 2, 2), (6, 2, 1, 1), (16, 4, 3, 5)])
+def test_window_follows_mixgrpo_except_the_empty_one(t, w, tau, s):
+    src = _mixgrpo_states(t, w, tau, s, iters=400)
+    ours = [list(window(k, t, w, tau, s)) for k in range(400)]
+    # Identical until the source reaches its empty window (start == M); MixGRPO's own run (300 its, tau 25) never does.
+    first_empty = next((k for k, r in enumerate(src) if not r), len(src))
+    assert ours[:first_empty] == src[:first_empty]
+    assert all(ours) and all(0 <= i < t - 2 for r in ours for i in r)
+    if first_empty < len(src):
+        # Ours rolls back where the source would sit on range(M, M) for tau steps.
+        assert ours[first_empty] == src[0]
+
+
+def test_window_edges_roll_back_and_clamp():
+    # T = 25 -> M = 23: starts 0..22, then back to 0; the window shrinks at the end but never empties.
+    assert trainable_bound(25) == 23
+    assert window(0, 25, 4, 25, 1) == range(0, 4)
+    assert window(24, 25, 4, 25, 1) == range(0, 4) and window(25, 25, 4, 25, 1) == range(1, 5)
+    assert window(19 * 25, 25, 4, 25, 1) == range(19, 23)
+    assert window(22 * 25, 25, 4, 25, 1) == range(22, 23)  # the last start: one step
+    assert window(23 * 25, 25, 4, 25, 1) == range(0, 4)  # roll back (the source: range(23, 23), empty)
+    assert window(22 * 25 + 10**6 * 23 * 25, 25, 4, 25, 1) == range(22, 23)  # periodic
+    # Without roll back the window stays at the last start.
+    assert window(10**6, 25, 4, 25, 1, roll_back=False) == range(22, 23)
+    # Non-overlapping (stride = size): starts 0, 4, ..., 20, then 0.
+    assert [window(k, 25, 4, 1, 4).start for k in range(8)] == [0, 4, 8, 12, 16, 20, 0, 4]
+    # Size larger than M is clamped to [0, M); Flash* (stride 0) never moves.
+    assert window(0, 6, 10, 1, 1) == range(0, 4) and window(7, 6, 10, 1, 1) == range(3, 4)
+    assert all(window(k, 25, 4, 20, 0) == range(0, 4) for k in range(0, 2000, 37))
+    with pytest.raises(ConfigError, match="num_steps"):
+        window(0, 2, 1, 1, 1)
+    for bad in [dict(size=0), dict(shift_every=0), dict(stride=-1)]:
+        kw = dict(size=2, shift_every=1, stride=1) | bad
+        with pytest.raises(ConfigError):
+            window(0, 8, **kw)
+
+
+def test_window_is_pure():
+    calls = [(k, 25, 4, 25, 1) for k in (0, 99, 300, 12345)]
+    first = [window(*c) for c in calls]
+    assert [window(*c) for c in reversed(calls)][::-1] == first
+
+
+def test_random_window_reproducible_and_in_range():
+    t, w, lo, hi = 10, 3, 0, 5  # Flow-GRPO-Fast SD3.5 no-CFG: c in {0, 1, 2}
+    draws = [random_window(k, t, w, lo, hi, seed=7) for k in range(300)]
+    assert draws == [random_window(k, t, w, lo, hi, seed=7) for k in range(300)]
+    assert {r.start for r in draws} == {0, 1, 2} and all(len(r) == w for r in draws)
+    assert draws != [random_window(k, t, w, lo, hi, seed=8) for k in range(300)]
+    assert random_window(3, t, w, lo, hi, seed=7, index=1) == random_window(3, t, w, lo, hi, seed=7, index=1)
+    # FLUX config (T = 6, w = 3, range (0, T // 2)): the window is always steps 0, 1, 2.
+    assert all(random_window(k, 6, 3, 0, 3, seed=1) == range(0, 3) for k in range(50))
+    # MixGRPO's "random" strategy: range (0, M).
+    assert all(r.stop <= trainable_bound(25) for r in (random_window(k, 25, 4, 0, 23, seed=3) for k in range(200)))
+    with pytest.raises(ConfigError, match="range"):
+        random_window(0, 6, 3, 0, 6, seed=0)  # high must exclude the last step
+    with pytest.raises(ConfigError, match="range"):
+        random_window(0, 10, 4, 2, 5, seed=0)
+
+
+def test_window_stream_is_appended():
+    assert (INIT_NOISE, STEP_NOISE, TIMESTEPS, PROMPTS, EVAL_NOISE, WINDOW) == (0, 1, 2, 3, 4, 5)
+
+
+def test_sde_mask():
+    assert sde_mask(range(2, 4), 6) == [False, False, True, True, False, False]
+    assert sde_mask(window(0, 6, 2, 1, 1), 6) == [True, True, False, False, False, False]
+    for bad in (range(3, 3), range(4, 7), range(0, 4, 2)):
+        with pytest.raises(ValueError):
+            sde_mask(bad, 6)
