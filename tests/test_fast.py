@@ -12,7 +12,8 @@ import torch
 
 from grpo.data import EVAL_NOISE, INIT_NOISE, PROMPTS, STEP_NOISE, TIMESTEPS, WINDOW
 from grpo.errors import ConfigError
-from grpo.sde import SDE_KINDS, predicted_x0, sde_step
+from grpo.sde import SDE_KINDS, predicted_x0, sde_step, shifted_sigmas
+from grpo.solvers import dpm_solver_pp_sample, dpm_solver_pp_step, flash_sigmas, tail_points
 from grpo.windows import random_window, sde_mask, trainable_bound, window
 from tests.test_sde import _DtypeRecorder, _gen, _xv
 
@@ -218,3 +219,96 @@ def test_sde_mask():
     for bad in (range(3, 3), range(4, 7), range(0, 4, 2)):
         with pytest.raises(ValueError):
             sde_mask(bad, 6)
+
+
+# --- DPM-Solver++ (MixGRPO@e5cdd6a sampling_utils.py) ---------------------------------------------------------
+
+
+def test_first_order_equals_euler_in_closed_form():
+    x, v = _xv(seed=31)
+    for sigma, nxt in [(0.9, 0.7), (0.5, 0.45), (0.3, 0.0)]:
+        x0 = predicted_x0(x, v, sigma)
+        dpm = dpm_solver_pp_step(x, x0, sigma, nxt)
+        euler = sde_step(x, v, sigma, nxt, eta=0.0).prev_sample
+        torch.testing.assert_close(dpm, euler, atol=2e-6, rtol=1e-5)
+        # Closed form: (sigma'/sigma)·x - alpha'·(e^{-h} - 1)·x̂0 with e^{-h} = (sigma'·alpha)/(alpha'·sigma).
+        a, a_n = 1 - sigma, 1 - nxt
+        closed = (nxt / sigma) * x - (nxt * a / sigma - a_n) * x0
+        torch.testing.assert_close(dpm, closed, atol=2e-6, rtol=1e-5)
+
+
+def test_second_order_midpoint_matches_source_and_reduces_when_d1_zero():
+    x, v = _xv(seed=32)
+    x0 = predicted_x0(x, v, 0.6)
+    x0_prev = x0 + 0.1 * torch.randn(x.shape, generator=_gen(33))
+    s_prev, s, s_n = torch.tensor(0.75), torch.tensor(0.6), torch.tensor(0.4)
+    out = dpm_solver_pp_step(x, x0, s, s_n, x0_prev=x0_prev, sigma_prev=s_prev)
+    # Source (multistep_dpm_solver_second_order_update, dpmsolver++, midpoint, deterministic), line for line.
+    lam = [torch.log(1 - q) - torch.log(q) for q in (s_n, s, s_prev)]
+    h, h_0 = lam[0] - lam[1], lam[1] - lam[2]
+    d1 = (1.0 / (h_0 / h)) * (x0 - x0_prev)
+    ref = (s_n / s) * x - ((1 - s_n) * (torch.exp(-h) - 1.0)) * x0 - 0.5 * ((1 - s_n) * (torch.exp(-h) - 1.0)) * d1
+    assert torch.equal(out, ref)
+    first = dpm_solver_pp_step(x, x0, s, s_n)
+    assert torch.equal(dpm_solver_pp_step(x, x0, s, s_n, x0_prev=x0, sigma_prev=s_prev), first)
+    # The step into 0 is first order and gives x̂0 exactly; the history from sigma 1 (L = 0) adds nothing.
+    assert torch.equal(dpm_solver_pp_step(x, x0, s, 0.0, x0_prev=x0_prev, sigma_prev=s_prev), x0)
+    assert torch.equal(dpm_solver_pp_step(x, x0, s, s_n, x0_prev=x0_prev, sigma_prev=1.0), first)
+    with pytest.raises(ValueError):
+        dpm_solver_pp_step(x, x0, 1.0, 0.5)
+
+
+def test_tail_schedule_endpoints():
+    sig = shifted_sigmas(25, 3.0)
+    # MixGRPO-Flash (T 25, r 0.4): window 0..3 -> L = 3, n = floor(22·0.4) = 8 points, 7 tail steps.
+    assert tail_points(25, 3, 0.4) == 8
+    full = flash_sigmas(sig, 3, 0.4, 3.0)
+    assert full.dtype == torch.float32 and len(full) == 4 + 8
+    assert torch.equal(full[:5], sig[:5]) and full[-1].item() == 0.0
+    assert bool((full[1:] < full[:-1]).all())
+    u = torch.linspace(float(torch.linspace(1, 0, 26)[4]), 0, 8)
+    torch.testing.assert_close(full[4:], 3 * u / (1 + 2 * u), atol=1e-6, rtol=0)
+    # Flash* (r 0.2, window 0..3): 4 SDE + 3 DPM steps = 7 NFE.
+    assert len(flash_sigmas(sig, 3, 0.2, 3.0)) - 1 == 7
+    # The pitfall: (T - L)·r < 2 would give n = 1 and stop above sigma 0; the tail always ends at 0.
+    assert tail_points(25, 20, 0.2) == 2
+    late = flash_sigmas(sig, 20, 0.2, 3.0)
+    assert late[-1].item() == 0.0 and torch.equal(late[:22], sig[:22]) and len(late) == 23
+    with pytest.raises(ConfigError):
+        tail_points(25, 3, 0.0)
+    with pytest.raises(ValueError):
+        tail_points(25, 24, 0.4)
+
+
+def test_constant_x0_field_is_integrated_exactly():
+    # A model whose x0 prediction is a constant c (velocity (x - c)/sigma, linear in x): the exact flow keeps
+    # x_sigma = (1 - sigma)·c + sigma·e, and DPM-Solver++ (1st and 2nd order) follows it step by step.
+    g = _gen(34)
+    c, e = torch.randn(2, 6, 4, generator=g), torch.randn(2, 6, 4, generator=g)
+    sig = shifted_sigmas(12, 3.0)
+    full = flash_sigmas(sig, 2, 0.5, 3.0)
+    tail = full[3:]
+    x = (1 - tail[0]) * c + tail[0] * e
+    seen = []
+
+    def x0_fn(xk, k):
+        seen.append((xk - ((1 - tail[k]) * c + tail[k] * e)).abs().max().item())
+        return predicted_x0(xk, (xk - c) / tail[k], tail[k])
+
+    out = dpm_solver_pp_sample(x, x0_fn, tail, x0_prev=c.clone(), sigma_prev=full[2])
+    assert max(seen) < 1e-5
+    torch.testing.assert_close(out, c, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="sigma 0"):
+        dpm_solver_pp_sample(x, x0_fn, tail[:-1])
+
+
+def test_solvers_make_no_float64():
+    rec = _DtypeRecorder()
+    x, v = _xv(dtype=torch.bfloat16)
+    with rec:
+        full = flash_sigmas(shifted_sigmas(8, 3.0), 1, 0.5, 3.0)
+        x0 = predicted_x0(x, v, full[2])
+        y = dpm_solver_pp_step(x, x0, full[2], full[3], x0_prev=x0, sigma_prev=full[1])
+        dpm_solver_pp_step(y, x0, full[3], 0.0)
+    assert y.dtype == torch.float32
+    assert not rec.dtypes & {torch.float64, torch.complex64, torch.complex128}, rec.dtypes
