@@ -12,6 +12,7 @@ import torch
 
 from grpo.data import EVAL_NOISE, INIT_NOISE, PROMPTS, STEP_NOISE, TIMESTEPS, WINDOW
 from grpo.errors import ConfigError
+from grpo.loss import RatioNorm, grpo_loss, ratio_norm_log_ratio
 from grpo.sde import SDE_KINDS, predicted_x0, sde_step, shifted_sigmas
 from grpo.solvers import dpm_solver_pp_sample, dpm_solver_pp_step, flash_sigmas, tail_points
 from grpo.windows import random_window, sde_mask, trainable_bound, window
@@ -312,3 +313,97 @@ def test_solvers_make_no_float64():
         dpm_solver_pp_step(y, x0, full[3], 0.0)
     assert y.dtype == torch.float32
     assert not rec.dtypes & {torch.float64, torch.complex64, torch.complex128}, rec.dtypes
+
+
+# --- GRPO-Guard RatioNorm (flow_grpo scripts/train_sd3_GRPO_Guard.py, merged 9745241) --------------------------
+
+
+def _guard_source(log_prob, old_log_prob, prev_sample_mean, old_mean, std_dev_t, sqrt_dt, advantages, clip_range):
+    """The official loop's `if config.rationorm` branch (std_dev_t and sqrt_dt [B, 1, 1] as sde_step returns them)."""
+    sigma_t = std_dev_t.mean()
+    ratio_mean_bias = (prev_sample_mean - old_mean).pow(2).mean(dim=tuple(range(1, log_prob.ndim)))
+    ratio_mean_bias = ratio_mean_bias / (2 * (sqrt_dt.mean() * sigma_t) ** 2)
+    ratio = torch.exp((log_prob - old_log_prob + ratio_mean_bias) * (sqrt_dt.mean() * sigma_t))
+    unclipped_loss = -advantages * ratio
+    clipped_loss = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    policy_loss = torch.mean(torch.maximum(unclipped_loss, clipped_loss))
+    return policy_loss / (sqrt_dt.mean() ** 2), ratio
+
+
+def _guard_case(seed=40, shift_mean=1e-3):
+    """One Flow-SDE transition sampled at rollout and re-scored under a slightly moved policy."""
+    x, v = _xv(seed=seed)
+    noise = torch.randn(x.shape, generator=_gen(seed + 1))
+    sigma, nxt, eta = 0.7, 0.6, 0.7
+    old = sde_step(x, v, sigma, nxt, eta=eta, kind="flow", noise=noise)
+    v_new = (v + shift_mean * torch.randn(x.shape, generator=_gen(seed + 2))).requires_grad_(True)
+    new = sde_step(x, v_new, sigma, nxt, eta=eta, kind="flow", prev_sample=old.prev_sample)
+    sqrt_dt = torch.full((3,), math.sqrt(sigma - nxt))
+    g = torch.full((3,), eta * math.sqrt(sigma / (1 - sigma)))
+    return old, new, v_new, noise, g, sqrt_dt
+
+
+def test_ratio_norm_matches_the_source_and_its_identity():
+    old, new, v_new, noise, g, sqrt_dt = _guard_case()
+    adv = torch.tensor([1.0, -0.5, 2.0])
+    rn = RatioNorm(new.mean, old.mean, g, sqrt_dt)
+    loss, stats = grpo_loss(new.log_prob, old.log_prob, adv, clip_range=1e-2, ratio_norm=rn)
+    # Per-sample bias (verl-omni) = the official one when applied per sample; test the scalar form separately.
+    per_sample = [
+        _guard_source(new.log_prob[i : i + 1], old.log_prob[i : i + 1], new.mean[i : i + 1], old.mean[i : i + 1],
+                      g[i : i + 1].view(-1, 1, 1), sqrt_dt[i : i + 1].view(-1, 1, 1), adv[i : i + 1], 1e-2)
+        for i in range(3)
+    ]
+    torch.testing.assert_close(stats["ratio"], torch.cat([r for _, r in per_sample]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss, torch.stack([p for p, _ in per_sample]).mean(), rtol=1e-5, atol=0)
+    # Identity: (logp - logp_old + b)·S = mean_D ε·(mean - old_mean) for x' = old_mean + S·ε.
+    log_ratio, weight = ratio_norm_log_ratio(new.log_prob, old.log_prob, rn)
+    ident = (noise * (new.mean - old.mean)).mean((1, 2))
+    torch.testing.assert_close(log_ratio, ident, rtol=2e-3, atol=1e-7)
+    torch.testing.assert_close(weight, torch.tensor(1 / (0.7 - 0.6)), rtol=1e-5, atol=0)
+    # approx_kl stays on the raw log-ratio, as the source logs it.
+    raw = new.log_prob - old.log_prob
+    torch.testing.assert_close(stats["approx_kl"], 0.5 * (raw.detach() ** 2).mean())
+    loss.backward()
+    assert torch.isfinite(v_new.grad).all() and v_new.grad.abs().sum() > 0
+
+
+def test_ratio_norm_official_scalar_bias():
+    old, new, _, _, g, sqrt_dt = _guard_case(seed=50, shift_mean=1e-2)
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    rn = RatioNorm(new.mean, old.mean, g, sqrt_dt, per_sample_bias=False)
+    loss, stats = grpo_loss(new.log_prob, old.log_prob, adv, clip_range=1.0, ratio_norm=rn)
+    ref_loss, ref_ratio = _guard_source(new.log_prob, old.log_prob, new.mean, old.mean, g.view(-1, 1, 1),
+                                        sqrt_dt.view(-1, 1, 1), adv, 1.0)
+    torch.testing.assert_close(stats["ratio"], ref_ratio, rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    per_sample = RatioNorm(new.mean, old.mean, g, sqrt_dt)
+    assert not torch.equal(ratio_norm_log_ratio(new.log_prob, old.log_prob, per_sample)[0],
+                           ratio_norm_log_ratio(new.log_prob, old.log_prob, rn)[0])
+
+
+def test_ratio_norm_first_pass_ratio_is_exactly_one():
+    x, _ = _xv(seed=60)
+    v = torch.randn(x.shape, generator=_gen(61)).requires_grad_(True)
+    noise = torch.randn(x.shape, generator=_gen(62))
+    with torch.no_grad():
+        roll = sde_step(x, v, 0.8, 0.7, eta=0.7, kind="flow", noise=noise)
+    train = sde_step(x, v, 0.8, 0.7, eta=0.7, kind="flow", prev_sample=roll.prev_sample)
+    g, sqrt_dt = 0.7 * math.sqrt(0.8 / 0.2), math.sqrt(0.1)
+    adv = torch.tensor([1.0, -2.0, 0.5])
+    loss, stats = grpo_loss(train.log_prob, roll.log_prob, adv, clip_range=2e-6,
+                            ratio_norm=RatioNorm(train.mean, roll.mean, g, sqrt_dt))
+    # b = 0 and log-prob difference 0 exactly, so exp(0·S) = 1 bit for bit; the loss is -mean(A)/delta.
+    assert torch.equal(stats["ratio"], torch.ones(3)) and stats["clip_frac"].item() == 0.0
+    torch.testing.assert_close(loss, -adv.mean() / torch.tensor(sqrt_dt) ** 2)
+    loss.backward()
+    assert torch.isfinite(v.grad).all()
+
+
+def test_ratio_norm_off_is_the_old_loss():
+    lp = torch.tensor([0.3, -0.1, 0.2], requires_grad=True)
+    old = torch.tensor([0.29, -0.1, 0.2001])
+    adv = torch.tensor([1.0, -1.0, 0.5])
+    a, sa = grpo_loss(lp, old, adv, clip_range=1e-4)
+    b, sb = grpo_loss(lp, old, adv, clip_range=1e-4, ratio_norm=None)
+    assert torch.equal(a, b) and all(torch.equal(sa[k], sb[k]) for k in sa)
