@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 # Independent random streams, so that e.g. changing the timestep fraction does not change the noise.
-INIT_NOISE, STEP_NOISE, TIMESTEPS, PROMPTS, EVAL_NOISE = range(5)
+# New streams go at the end so that the existing ones keep their numbers (and their random draws).
+INIT_NOISE, STEP_NOISE, TIMESTEPS, PROMPTS, EVAL_NOISE, WINDOW = range(6)
 
 
 def rng_seed(seed: int, step: int, index: int, stream: int) -> int:

@@ -24,9 +24,10 @@ __all__ = [
     "predicted_x0",
     "sde_step",
     "shifted_sigmas",
+    "time_shift",
 ]
 
-SDE_KINDS = ("dance", "flow")
+SDE_KINDS = ("dance", "flow", "cps")
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
 
@@ -47,7 +48,11 @@ def shifted_sigmas(num_steps: int, shift: float) -> Tensor:
         raise ConfigError(f"num_steps: must be >= 1, got {num_steps}; use a positive number of sampler steps")
     if not shift > 0:
         raise ConfigError(f"shift: must be > 0, got {shift}; use e.g. 3.0 (DanceGRPO) or 1.0 for no shift")
-    u = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float32)
+    return time_shift(torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float32), shift)
+
+
+def time_shift(u: Tensor, shift: float) -> Tensor:
+    """The SD3 static time shift s·u / (1 + (s - 1)·u) of float32 times u in [0, 1], as u / (u + (1 - u)/s)."""
     return u / (u + (1.0 - u) / float(shift))
 
 
@@ -109,7 +114,8 @@ class StepOut:
         prev_sample: [B, ...] float32 latent at sigma_next (the given one when evaluating a stored transition).
         mean: [B, ...] float32 Gaussian mean of the transition; carries the graph of v.
         std: float32 std, 0-d or [B] (the shape of sigma); 0 for an ODE step.
-        log_prob: [B] float32 element-mean log-density of prev_sample, or None for an ODE step.
+        log_prob: [B] float32 element-mean log-density of prev_sample, or None for an ODE step; for kind "cps" the
+            unnormalised -mean_D (prev_sample - mean)² that Flow-GRPO uses instead.
     """
 
     prev_sample: Tensor
@@ -137,12 +143,17 @@ def sde_step(
     "dance" (DanceGRPO): g = eta. "flow" (Flow-GRPO): g = eta·sqrt(sigma / (1 - sigma')), sigma' = sigma_max where
     sigma == 1 (Flow-GRPO passes scheduler.sigmas[1] there to avoid dividing by zero), else sigma.
 
+    "cps" (coefficients-preserving sampling, Flow-GRPO sde_type='cps'; paper arXiv 2509.05952 §3) is a DDIM-style
+    step instead, see :func:`_cps_mean_std`. Its log_prob is NOT a Gaussian log-density: it is Flow-GRPO's unnormalised
+    -mean_D (prev_sample - mean)² (no 1/(2·std²), no log std, no constant), so CPS log-ratios are 2·std² times the
+    Gaussian ones and the clip range must be chosen for that scale (Flow-GRPO uses 1e-5 with CPS).
+
     Args:
         x: [B, ...] latent at sigma (any float dtype; upcast to float32).
         v: [B, ...] velocity predicted at (x, sigma).
         sigma, sigma_next: python floats, 0-d or [B] tensors, sigma > sigma_next >= 0.
         eta: noise level (DanceGRPO eta, Flow-GRPO noise_level); 0 gives the deterministic ODE step.
-        kind: "dance" or "flow".
+        kind: "dance", "flow" or "cps" (for "cps" eta is Flow-GRPO's noise_level, 0 <= eta <= 1).
         noise: [B, ...] standard normal noise, required when sampling with eta > 0. The caller draws it (on CPU, from
             its own generator) so rollouts are reproducible across devices.
         prev_sample: [B, ...] a stored next latent; when given, its log-prob under this step's Gaussian is returned
@@ -157,6 +168,8 @@ def sde_step(
         raise ConfigError(f"kind: unknown SDE kind {kind!r}; use one of {SDE_KINDS}")
     if eta < 0:
         raise ConfigError(f"eta: must be >= 0, got {eta}; use e.g. 0.3 (dance) or 0.7-0.9 (flow)")
+    if kind == "cps" and eta > 1:
+        raise ConfigError(f"eta: cps noise level must be <= 1, got {eta}; use e.g. 0.8 (Flow-GRPO's default)")
     x, v = x.float(), v.float()
     s = _as_f32(sigma, x.device)
     s_next = _as_f32(sigma_next, x.device)
@@ -167,27 +180,56 @@ def sde_step(
         out = x + (sb_next - sb) * v
         return StepOut(prev_sample=out, mean=out, std=torch.zeros_like(s_next - s), log_prob=None)
 
-    delta = s - s_next
-    if kind == "dance":
-        g = torch.full_like(s, eta)
+    if kind == "cps":
+        mean, std = _cps_mean_std(x, v, sb, sb_next, s_next, eta)
     else:
-        if sigma_max is None and bool((s == 1).any()):
-            raise ValueError("sde_step(kind='flow') at sigma == 1 needs sigma_max (Flow-GRPO uses sigmas[1])")
-        denom_sigma = s if sigma_max is None else torch.where(s == 1, _as_f32(sigma_max, x.device), s)
-        g = eta * torch.sqrt(s / (1.0 - denom_sigma))
-    std = g * torch.sqrt(delta)
+        delta = s - s_next
+        if kind == "dance":
+            g = torch.full_like(s, eta)
+        else:
+            if sigma_max is None and bool((s == 1).any()):
+                raise ValueError("sde_step(kind='flow') at sigma == 1 needs sigma_max (Flow-GRPO uses sigmas[1])")
+            denom_sigma = s if sigma_max is None else torch.where(s == 1, _as_f32(sigma_max, x.device), s)
+            g = eta * torch.sqrt(s / (1.0 - denom_sigma))
+        std = g * torch.sqrt(delta)
+        gb, db = _bcast(g, x.ndim), _bcast(delta, x.ndim)
+        mean = x - db * (v + gb**2 / (2.0 * sb) * (x + (1.0 - sb) * v))
 
-    gb, db, stdb = _bcast(g, x.ndim), _bcast(delta, x.ndim), _bcast(std, x.ndim)
-    mean = x - db * (v + gb**2 / (2.0 * sb) * (x + (1.0 - sb) * v))
-
+    stdb = _bcast(std, x.ndim)
     if prev_sample is None:
         if noise is None:
             raise ValueError("sde_step with eta > 0 needs `noise` (standard normal, shape of x) or `prev_sample`")
         prev_sample = mean + stdb * noise.to(device=x.device, dtype=torch.float32)
     else:
         prev_sample = prev_sample.to(device=x.device, dtype=torch.float32)
-    log_prob = gaussian_log_prob(prev_sample.detach(), mean, std)
+    if kind == "cps":
+        log_prob = _element_mean(-((prev_sample.detach() - mean) ** 2))
+    else:
+        log_prob = gaussian_log_prob(prev_sample.detach(), mean, std)
     return StepOut(prev_sample=prev_sample, mean=mean, std=std, log_prob=log_prob)
+
+
+def _cps_mean_std(x: Tensor, v: Tensor, sb: Tensor, sb_next: Tensor, s_next: Tensor,
+                  eta: float) -> tuple[Tensor, Tensor]:
+    """Coefficients-preserving sampling step: its mean and std (sde_step adds its log-prob), as Flow-GRPO computes.
+
+    Source: yifan123/flow_grpo@54809b5 flow_grpo/diffusers_patch/sd3_sde_with_logprob.py, sde_type == 'cps' (same
+    lines at 879042c and IamCreateAI/FlowCPS@814c359); paper arXiv 2509.05952 §3. With sigma' = sigma_next:
+        std = sigma'·sin(eta·pi/2)                       (no sqrt(delta), no dependence on sigma)
+        mean = x̂0·(1 - sigma') + x̂1·sqrt(sigma'² - std²), x̂0 = x - sigma·v, x̂1 = x + v·(1 - sigma)
+        prev_sample = mean + std·noise
+        log_prob = -mean_D (prev_sample - mean)²          (Flow-GRPO: "remove all constants")
+    Same float32 expressions in the same order as the source. The noise coefficient of prev_sample stays sigma'
+    (sqrt(cos² + sin²)), hence the name. At sigma' = 0 the std is 0 and the step is deterministic (never trained).
+    Difference to the other kinds: the log_prob is unnormalised (a Gaussian log-density would add
+    -(..)²/(2·std²) scaling, -log std and -½·log 2π), which is what Flow-GRPO trains on; see :func:`sde_step`.
+    """
+    std = s_next * math.sin(eta * math.pi / 2)
+    stdb = _bcast(std, x.ndim)
+    pred_original_sample = x - sb * v
+    noise_estimate = x + v * (1 - sb)
+    mean = pred_original_sample * (1 - sb_next) + noise_estimate * torch.sqrt(sb_next**2 - stdb**2)
+    return mean, std
 
 
 def gaussian_log_prob(sample: Tensor, mean: Tensor, std: float | Tensor) -> Tensor:

@@ -201,7 +201,7 @@ def test_flow_at_sigma_one_uses_sigma_max():
 def test_bad_kind_and_missing_noise():
     x, v = _xv()
     with pytest.raises(ConfigError, match="kind"):
-        sde_step(x, v, 0.5, 0.4, eta=0.3, kind="cps")
+        sde_step(x, v, 0.5, 0.4, eta=0.3, kind="bogus")
     with pytest.raises(ValueError, match="noise"):
         sde_step(x, v, 0.5, 0.4, eta=0.3)
 
