@@ -2,7 +2,7 @@
 
 Everything device-specific in the repository goes through this module, which in turn goes through DeepSpeed's
 accelerator abstraction (``deepspeed.accelerator.get_accelerator()``): the device of a rank, the communication backend
-(HCCL on Ascend NPU, NCCL on CUDA, gloo on CPU), the RNG of the device, the autocast device type, the bf16/fp16 support
+(HCCL on Ascend NPU, NCCL on CUDA, gloo on CPU), the RNG of the device, the bf16/fp16 support
 check and diffusers' attention backend.
 
 Order matters:
@@ -28,7 +28,7 @@ import os
 import random
 import socket
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -52,10 +52,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DistInfo",
-    "DtypePolicyError",
     "accelerator",
-    "assert_no_fp64_or_complex",
-    "autocast",
     "check_dtype_supported",
     "device_for_local_rank",
     "emulate_device_on_cpu",
@@ -83,10 +80,6 @@ _CANN_HINT = (
     "or install the torch_npu build that pairs with torch {torch} (same X.Y.Z, CPU build of torch); "
     "a CPU/CUDA-only environment should not have torch_npu installed"
 )
-
-
-class DtypePolicyError(TypeError):
-    """A float64 or complex parameter, buffer or tensor where the dtype policy forbids it (NPU lacks both)."""
 
 
 def _one_line(text: str, limit: int = 300) -> str:
@@ -317,27 +310,6 @@ def seed_everything(seed: int) -> None:
     accelerator().manual_seed_all(seed)
 
 
-def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
-    """An autocast context for the device type of ``device`` (``npu``, ``cuda`` or ``cpu``).
-
-    Args:
-        device: The device the model runs on; only its type matters.
-        dtype: ``torch.bfloat16`` or ``torch.float16`` for mixed precision; ``torch.float32`` gives a no-op context, so
-            the fp32 parity mode runs exactly as written.
-
-    Returns:
-        A context manager.
-
-    Raises:
-        ConfigError: Any other dtype.
-    """
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    if dtype not in (torch.bfloat16, torch.float16):
-        raise ConfigError(f"dtype: autocast needs bf16, fp16 or fp32, got {dtype}; use one of {sorted(_DTYPES)}")
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
 def resolve_dtype(name: str) -> torch.dtype:
     """Maps a config dtype name to a torch dtype.
 
@@ -379,44 +351,6 @@ def check_dtype_supported(dtype: torch.dtype, setting: str = "dtype") -> None:
     if not ok:
         raise ConfigError(
             f"{setting}: {dtype} is not supported by the {acc.device_name()} accelerator; use fp32 or bf16"
-        )
-
-
-def _named_tensors(obj: Any) -> Iterable[tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) for a module's parameters and buffers, a mapping, a tensor or an iterable of tensors."""
-    if isinstance(obj, torch.nn.Module):
-        yield from obj.named_parameters()
-        yield from obj.named_buffers()
-    elif isinstance(obj, torch.Tensor):
-        yield "tensor", obj
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            for name, tensor in _named_tensors(value):
-                yield (str(key) if name == "tensor" else f"{key}.{name}"), tensor
-    elif isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)):
-        for index, value in enumerate(obj):
-            for name, tensor in _named_tensors(value):
-                yield (str(index) if name == "tensor" else f"{index}.{name}"), tensor
-
-
-def assert_no_fp64_or_complex(module_or_tensors: Any) -> None:
-    """Enforces the dtype policy: no float64 and no complex tensor (the NPU lacks kernels for both).
-
-    Args:
-        module_or_tensors: An ``nn.Module`` (its parameters and buffers are checked), a tensor, a mapping of names to
-            tensors, or an iterable of tensors (nested containers are walked).
-
-    Raises:
-        DtypePolicyError: Naming every offending tensor with its dtype.
-    """
-    bad = [
-        f"{name} ({tensor.dtype})"
-        for name, tensor in _named_tensors(module_or_tensors)
-        if tensor.dtype == torch.float64 or tensor.is_complex()
-    ]
-    if bad:
-        raise DtypePolicyError(
-            f"float64/complex tensors are not allowed (no NPU kernels): {', '.join(bad)}; cast them to float32"
         )
 
 

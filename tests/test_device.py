@@ -1,4 +1,4 @@
-"""CPU tests of the device layer: accelerator selection, torch_npu guard, distributed init, seeds, autocast, dtypes.
+"""CPU tests of the device layer: accelerator selection, torch_npu guard, distributed init, seeds, dtypes.
 
 Cases that need a fresh interpreter (a fake broken torch_npu on sys.path, DeepSpeed's cached accelerator, a process
 group) run in subprocesses so that module caches do not leak between tests.
@@ -205,21 +205,6 @@ def test_seed_everything_reproduces_all_generators():
     assert draw() != first
 
 
-def test_autocast_contexts():
-    cpu = torch.device("cpu")
-    a, b = torch.randn(4, 4), torch.randn(4, 4)
-    with device.autocast(cpu, torch.float32):
-        assert not torch.is_autocast_enabled("cpu")
-        assert (a @ b).dtype == torch.float32
-    with device.autocast(cpu, torch.bfloat16):
-        assert torch.is_autocast_enabled("cpu")
-        assert torch.get_autocast_dtype("cpu") == torch.bfloat16
-        assert (a @ b).dtype == torch.bfloat16
-    assert not torch.is_autocast_enabled("cpu")
-    with pytest.raises(ConfigError, match="dtype"):
-        device.autocast(cpu, torch.float64)
-
-
 def test_resolve_dtype():
     assert device.resolve_dtype("fp32") is torch.float32
     assert device.resolve_dtype("bf16") is torch.bfloat16
@@ -252,22 +237,6 @@ def test_check_dtype_supported(monkeypatch):
         device.check_dtype_supported(torch.bfloat16, setting="train.dtype")
     with pytest.raises(ConfigError, match="not a compute dtype"):
         device.check_dtype_supported(torch.float64)
-
-
-def test_assert_no_fp64_or_complex():
-    clean = torch.nn.Linear(3, 2)
-    clean.register_buffer("scale", torch.ones(2))
-    device.assert_no_fp64_or_complex(clean)
-    device.assert_no_fp64_or_complex([torch.ones(1), {"a": torch.zeros(2, dtype=torch.bfloat16)}])
-
-    dirty = torch.nn.Sequential(torch.nn.Linear(3, 2))
-    dirty[0].register_buffer("table", torch.ones(4, dtype=torch.float64))
-    with pytest.raises(device.DtypePolicyError, match=r"0\.table \(torch\.float64\)"):
-        device.assert_no_fp64_or_complex(dirty)
-    with pytest.raises(device.DtypePolicyError, match=r"rope\.freqs \(torch\.complex64\)"):
-        device.assert_no_fp64_or_complex({"rope": {"freqs": torch.ones(2, dtype=torch.complex64)}})
-    with pytest.raises(device.DtypePolicyError, match=r"^.*1 \(torch\.float64\)[^,]*$"):
-        device.assert_no_fp64_or_complex([torch.ones(1), torch.ones(1, dtype=torch.float64)])
 
 
 def _tiny_flux():

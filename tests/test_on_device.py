@@ -71,19 +71,14 @@ def test_device_layer(kind: str):
         a = torch.randn(4, device=info.device)
         dev.seed_everything(7)
         b = torch.randn(4, device=info.device)
-        x = torch.randn(8, 8, device=info.device)
-        with dev.autocast(info.device, torch.bfloat16):
-            y = x @ x
-        with dev.autocast(info.device, torch.float32):
-            z = x @ x
         dev.check_dtype_supported(torch.bfloat16)
         print(json.dumps({"device": str(info.device), "backend": info.backend, "same_seed": torch.equal(a, b),
-                          "bf16": str(y.dtype), "fp32": str(z.dtype), "kind": dev.local_devices()[0]}))
+                          "kind": dev.local_devices()[0]}))
         """,
         kind,
     )
     assert out == {"device": f"{kind}:0", "backend": {"npu": "hccl", "cuda": "nccl"}[kind], "same_seed": True,
-                   "bf16": "torch.bfloat16", "fp32": "torch.float32", "kind": kind}
+                   "kind": kind}
 
 
 @pytest.mark.parametrize("kind", KINDS)
