@@ -55,6 +55,7 @@ __all__ = [
     "accelerator",
     "check_dtype_supported",
     "device_for_local_rank",
+    "free_port",
     "emulate_device_on_cpu",
     "import_torch_npu",
     "init_distributed",
@@ -226,7 +227,7 @@ class DistInfo:
         return self.rank == 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A TCP port that is free on localhost right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -254,7 +255,7 @@ def _fill_single_process_env() -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
     # The CPU accelerator counts devices from LOCAL_SIZE (else NUMA nodes via numactl).
     os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
