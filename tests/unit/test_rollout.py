@@ -7,7 +7,7 @@ from diffusers import FluxPipeline
 from grpo.flux import decode, load_parts, make_conditioning, pack
 from grpo.rollout import SDEParams, sample, transition
 from grpo.sde import dynamic_sigmas
-from tests.helpers import TINY
+from tests import TINY
 
 pytestmark = pytest.mark.skipif(not (TINY / "model_index.json").exists(), reason="tiny model not built")
 RES, STEPS = 64, 6

@@ -11,7 +11,7 @@ import torch
 from grpo.config import load_config
 from grpo.errors import ConfigError
 from grpo.eval import evaluate_checkpoint
-from tests.helpers import ROOT, TINY
+from tests import ROOT, TINY
 
 PROMPTS = ["a red circle on a cyan background", "a blue square on a yellow background", "a green triangle on a "
            "magenta background"]

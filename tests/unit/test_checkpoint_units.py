@@ -16,7 +16,7 @@ from grpo import health
 from grpo.config import load_config, to_dict
 from grpo.ema import PREFIX, assemble
 from grpo.metrics import MetricsLogger
-from tests.helpers import ROOT
+from tests import ROOT
 
 LORA = ROOT / "recipes" / "configs" / "tiny" / "grpo_lora.yaml"
 

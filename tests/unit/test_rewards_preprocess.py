@@ -24,11 +24,7 @@ from PIL import Image
 from grpo.rewards.hps import OPENAI_MEAN, OPENAI_STD
 from grpo.rewards.openclip_loader import clip_preprocess
 from grpo.rewards.preprocess import normalize, resize_longest_pad, resize_shortest_center_crop
-
-try:
-    from reward_fixtures import images
-except ImportError:
-    from tests.reward_fixtures import images
+from tests.unit.reward_inputs import images
 
 SIZES = [(64, 64), (64, 96), (97, 64), (300, 224), (720, 1280)]
 

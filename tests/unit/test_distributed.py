@@ -1,13 +1,13 @@
 """gather_by_index in one process and across two real gloo processes."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from grpo.device import free_port
 from grpo.distributed import gather_by_index
 
 
@@ -31,12 +31,6 @@ def test_single_process_scatters_locally():
 def test_single_process_errors(index, total, match):
     with pytest.raises(ValueError, match=match):
         gather_by_index(torch.zeros(3), torch.tensor(index), total)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int) -> None:
@@ -65,4 +59,4 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 
 def test_two_process_gloo():
-    mp.spawn(_worker, args=(2, _free_port()), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port()), nprocs=2, join=True)

@@ -169,10 +169,10 @@ def test_init_distributed_two_processes_gloo(tmp_path: Path):
             dist.destroy_process_group()
 
         if __name__ == "__main__":
-            from grpo.device import _free_port
+            from grpo.device import free_port
             ctx = mp.get_context("spawn")
             queue = ctx.Queue()
-            mp.start_processes(work, args=(_free_port(), queue), nprocs=2, start_method="spawn")
+            mp.start_processes(work, args=(free_port(), queue), nprocs=2, start_method="spawn")
             print(json.dumps(sorted(queue.get() for _ in range(2))))
     """
     path = tmp_path / "two_proc_init.py"  # spawn re-imports __main__, so it must be a real file

@@ -1,7 +1,13 @@
-"""Start, watch and kill recipe runs from tests: torchrun in the background, metrics polling, signals to workers.
+"""The launch helper of the recipe tier: run the recipe (or a driver) under torchrun, to the end or in the background,
+read its metrics rows and trained weights, signal its workers, kill what is left.
+
+    proc = run_recipe(config, overrides, nproc=2)                   # to the end: a CompletedProcess
+    run = Run.start(torchrun(config, overrides), tmp / "a.log")    # in the background: wait, signal, kill_all
+    rows = train_rows(output_dir); weights = trained_weights(checkpoint, "model")
 
 torchrun starts its workers in their own sessions, so killing torchrun's process group does not reach them; these
-helpers find the workers through psutil and signal them explicitly.
+helpers find the workers through psutil and signal them explicitly. Command lines and the environment come from
+tools.launch.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from pathlib import Path
 
 import psutil
 
-from tests.helpers import ROOT, TINY, free_port
+from tests import ROOT, TINY
+from tools.launch import launch_env, torchrun_cmd
 
 # Minimal tiny-run settings shared by the checkpoint/fault/export tests (8 images per step on 2 processes, one
 # micro-batch per rank, one trained transition per trajectory: the fault tests count non-finite losses per backward).
@@ -38,16 +45,42 @@ def tiny_run(tmp: Path) -> list[str]:
     return [f"model.path={model}", *SMALL]
 
 
-def env(extra: dict | None = None) -> dict:
-    return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-            "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(extra or {})}
-
-
 def torchrun(config: str, overrides: list[str], *, nproc: int = 2, nnodes: int = 1, node_rank: int = 0,
-             port: int | None = None) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node_rank", str(node_rank),
-            "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(port or free_port()),
-            str(ROOT / "recipes" / "flux_grpo.py"), "--config", str(ROOT / config), *overrides]
+             port: int | None = None, script: list[str] | None = None) -> list[str]:
+    """The torchrun command line of the recipe (or of `script`, e.g. a driver) on CONFIG with `overrides`."""
+    return torchrun_cmd(nproc, [*(script or [str(ROOT / "recipes" / "flux_grpo.py")]), "--config", str(ROOT / config),
+                                *overrides], nnodes=nnodes, node_rank=node_rank, port=port)
+
+
+def run_recipe(config: str, overrides: list[str], nproc: int, timeout: int = 600, extra_env: dict | None = None,
+               script: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Runs the recipe (or `script`) with torchrun on the CPU accelerator to the end; returns the finished process."""
+    return subprocess.run(torchrun(config, overrides, nproc=nproc, script=script), env=launch_env(extra_env),
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def script_env(extra: dict | None = None) -> dict:
+    """The environment for launch/*.sh and plain recipe processes: this one without a surrounding job's rank and
+    launcher variables, one thread per process, the repository importable, no model hub."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC", "NNODES", "NODE_RANK"):
+        env.pop(k, None)
+    return {**env, **(extra or {})}
+
+
+def run_script(script: str, args: list[str], *, extra_env: dict | None = None,
+               timeout: int = 900) -> subprocess.CompletedProcess:
+    """``bash launch/<script> ARGS`` (run.sh, multinode.sh) from the repository root, to the end."""
+    return subprocess.run(["bash", str(ROOT / "launch" / script), *args], env=script_env(extra_env), cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_plain(config: str, overrides: list[str], *, extra_env: dict | None = None,
+              timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python recipes/flux_grpo.py --config CONFIG OVERRIDES`` as one process (no launcher) on the CPU accelerator."""
+    return subprocess.run([sys.executable, str(ROOT / "recipes" / "flux_grpo.py"), "--config", str(ROOT / config),
+                           *overrides], env=script_env({"DS_ACCELERATOR": "cpu", **(extra_env or {})}), cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 @dataclass
@@ -61,7 +94,7 @@ class Run:
     @classmethod
     def start(cls, cmd: list[str], log: Path, extra_env: dict | None = None) -> "Run":
         f = open(log, "w")
-        proc = subprocess.Popen(cmd, env=env(extra_env), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, env=launch_env(extra_env), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         f.close()
         return cls(proc, log)

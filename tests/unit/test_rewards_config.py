@@ -12,10 +12,7 @@ import torch
 from grpo.errors import ConfigError
 from grpo.rewards import REGISTRY, build_rewards, check_rewards, normalize_spec
 
-try:
-    from reward_fixtures import images, make_brightness, offline, tiny_reward_spec  # noqa: F401
-except ImportError:  # tests/ imported as a package
-    from tests.reward_fixtures import images, make_brightness, offline, tiny_reward_spec  # noqa: F401
+from tests.unit.reward_inputs import images, make_brightness
 
 
 def test_tiny_spec_passes(tiny_reward_spec) -> None:

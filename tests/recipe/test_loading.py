@@ -5,10 +5,11 @@ import json
 import pytest
 import torch
 
-from benchmarks._common import torchrun, transformer_config, write_model_folder
+from benchmarks._common import transformer_config, write_model_folder
 from grpo.errors import ConfigError
 from grpo.loading import _check_shapes, _fill_units, checkpoint_files, fill_from_safetensors, transformer_loader
-from tests.helpers import ROOT
+from tests import ROOT
+from tools.launch import run_torchrun
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +60,8 @@ def test_loader_choice():
 
 def test_two_processes_load_the_same_weights_as_from_pretrained_and_lora_trains(folders, tmp_path):
     out = tmp_path / "check.json"
-    torchrun(2, [str(ROOT / "benchmarks" / "zero3_memory.py"), "--worker", "load-check", "--model",
-                 str(folders["fp32_sharded"]), str(folders["bf16_single"]), "--out", str(out)])
+    run_torchrun(2, [str(ROOT / "benchmarks" / "zero3_memory.py"), "--worker", "load-check", "--model",
+                     str(folders["fp32_sharded"]), str(folders["bf16_single"]), "--out", str(out)], accelerator=None)
     report = json.loads(out.read_text())
     assert report["world"] == 2
     for name, r in report["folders"].items():

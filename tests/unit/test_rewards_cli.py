@@ -9,10 +9,7 @@ from PIL import Image
 from grpo.rewards import REGISTRY, build_rewards
 from grpo.rewards.__main__ import main
 
-try:
-    from reward_fixtures import PROMPTS, images, tiny_reward_spec  # noqa: F401
-except ImportError:
-    from tests.reward_fixtures import PROMPTS, images, tiny_reward_spec  # noqa: F401
+from tests.unit.reward_inputs import PROMPTS, images
 
 
 @pytest.fixture

@@ -1,12 +1,13 @@
 """The recipe under ZeRO-3 on 1 and 2 CPU processes (gloo): on-policy ratio, world-size invariance, references.
 
-Each case runs one GRPO step of the real recipe through torchrun (tests/one_step.py) on the embedded tiny FLUX.
+Each case runs one GRPO step of the real recipe through torchrun (tests/recipe/one_step.py) on the embedded tiny FLUX.
 """
 
 import pytest
 import torch
 
-from tests.helpers import ROOT, TINY, run_recipe
+from tests import ROOT, TINY
+from tests.recipe.launch import run_recipe
 
 SMALL = [
     f"model.path={TINY}",
@@ -21,7 +22,7 @@ def one_step(tmp_path, nproc: int, config: str, extra: list[str]) -> dict:
     out = tmp_path / f"step_{nproc}.pt"
     proc = run_recipe(str(ROOT / config), [*SMALL, f"output_dir={tmp_path / f'run{nproc}'}",
                                            f"data.cache_dir={tmp_path / 'cache'}", *extra],
-                      nproc, script=[str(ROOT / "tests" / "one_step.py"), str(out)])
+                      nproc, script=[str(ROOT / "tests" / "recipe" / "one_step.py"), str(out)])
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out, weights_only=False)
 

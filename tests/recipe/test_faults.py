@@ -15,7 +15,7 @@ import json
 import pytest
 
 from grpo import checkpoint as ckpt
-from tests.runctl import Run, max_abs_diff, tiny_run, torchrun, train_rows, trained_weights
+from tests.recipe.launch import Run, max_abs_diff, tiny_run, torchrun, train_rows, trained_weights
 
 pytestmark = pytest.mark.slow
 

@@ -24,8 +24,8 @@ from grpo.data import EVAL_NOISE, initial_noise
 from grpo.eval import evaluate_checkpoint
 from grpo.eval import main as eval_main
 from grpo.flux import pack
-from tests.helpers import ROOT, TINY
-from tests.runctl import Run, max_abs_diff, tiny_run, torchrun, trained_weights
+from tests import ROOT, TINY
+from tests.recipe.launch import Run, max_abs_diff, tiny_run, torchrun, trained_weights
 
 pytestmark = pytest.mark.slow
 

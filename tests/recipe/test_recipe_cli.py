@@ -1,14 +1,15 @@
 """The README's path: launch/run.sh on 2 CPU processes, what a run writes, and that the exports load in diffusers."""
 
 import json
-import os
 import subprocess
 
 import pytest
 import torch
 from diffusers import FluxPipeline, FluxTransformer2DModel
 
-from tests.helpers import ROOT, TINY, free_port
+from tests import ROOT, TINY
+from tests.recipe.launch import run_script
+from tools.launch import free_port
 
 FAST = ["batch.prompts_per_step=2", "sampling.group_size=4", "batch.micro_batch_size=4", "sampling.num_steps=4",
         "max_steps=2", "logging.sample_every=1", f"model.path={TINY}"]
@@ -17,10 +18,8 @@ FIELDS = {"step", "reward_mean", "reward_std", "loss", "kl", "ratio_mean", "rati
 
 
 def launch(config: str, out, *extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MASTER_PORT": str(free_port()), "NPROC": "2"}
-    cmd = ["bash", str(ROOT / "launch" / "run.sh"), str(ROOT / config), *FAST, f"output_dir={out}",
-           f"data.cache_dir={out.parent / 'cache'}", *extra]
-    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    args = [str(ROOT / config), *FAST, f"output_dir={out}", f"data.cache_dir={out.parent / 'cache'}", *extra]
+    return run_script("run.sh", args, extra_env={"MASTER_PORT": str(free_port()), "NPROC": "2"})
 
 
 @pytest.mark.parametrize("kind", ["lora", "full"])

@@ -27,9 +27,10 @@ import time
 import pytest
 
 from grpo import checkpoint as ckpt
-from tests.helpers import ROOT, free_port
-from tests.runctl import Run, kill_leftovers, max_abs_diff, tiny_run, torchrun, train_rows, trained_weights, \
+from tests import ROOT
+from tests.recipe.launch import Run, kill_leftovers, max_abs_diff, tiny_run, torchrun, train_rows, trained_weights, \
     wait_for_step
+from tools.launch import free_port
 
 pytestmark = pytest.mark.slow
 

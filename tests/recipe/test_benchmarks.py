@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests import ROOT
 
 
 def run(script: str, *args: str, timeout: int = 900) -> list[str]:

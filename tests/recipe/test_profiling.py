@@ -13,7 +13,8 @@ import torch
 from grpo.config import load_config, validate
 from grpo.errors import ConfigError
 from grpo.profiling import StepProfiler
-from tests.helpers import ROOT, TINY, run_recipe
+from tests import ROOT, TINY
+from tests.recipe.launch import run_recipe
 
 
 def _work() -> None:

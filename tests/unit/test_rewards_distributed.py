@@ -4,7 +4,6 @@ everything in one process."""
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from grpo.device import free_port
 from grpo.rewards import build_rewards, mix
 
-try:
-    from reward_fixtures import PROMPTS, images, tiny_reward_spec  # noqa: F401
-except ImportError:
-    from tests.reward_fixtures import PROMPTS, images, tiny_reward_spec  # noqa: F401
+from tests.unit.reward_inputs import PROMPTS, images
 
 WORLD = 2
 N = 8  # 4 groups of 2; rank r scores samples r, r + 2, ... so every group spans both ranks
@@ -46,12 +43,6 @@ def _worker(rank: int, port: int, spec: dict[str, Any], out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_ranks_gather_equals_single_process(tiny_reward_spec, tmp_path) -> None:
     spec = {
@@ -59,7 +50,7 @@ def test_two_ranks_gather_equals_single_process(tiny_reward_spec, tmp_path) -> N
         "jpeg_incompressibility": {"weight": 0.01},
         "tiny_world": {"weight": 0.5},
     }
-    mp.spawn(_worker, args=(_free_port(), spec, str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), spec, str(tmp_path)), nprocs=WORLD, join=True)
     x, prompts = _batch()
     rewards = build_rewards(spec, "cpu")
     everything = rewards(x, prompts)

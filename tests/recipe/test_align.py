@@ -18,7 +18,7 @@ from grpo.errors import ConfigError
 from grpo.tools import align
 from grpo.tools.align_record import BlockRecorder, block_key, parse_record_steps, recorded_modules
 from grpo.tools.align_report import AlignError, Err, compare, format_table, load_dump, save_dump
-from tests.helpers import ROOT, TINY
+from tests import ROOT, TINY
 
 
 # ------------------------------------------------------------------------------------------------ error arithmetic

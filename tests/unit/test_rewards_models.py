@@ -17,10 +17,7 @@ from PIL import Image
 from grpo.rewards import ModelReward, build_rewards
 from grpo.rewards.hps import OPENAI_MEAN, OPENAI_STD
 
-try:
-    from reward_fixtures import PROMPTS, images, tiny_reward_spec  # noqa: F401
-except ImportError:
-    from tests.reward_fixtures import PROMPTS, images, tiny_reward_spec  # noqa: F401
+from tests.unit.reward_inputs import PROMPTS, images
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from grpo.config import load_config
 from grpo.errors import ConfigError
 from grpo.flux import checkpointed_blocks, enable_checkpointing
 from grpo.tools import plan as P
-from tests.helpers import ROOT, TINY
+from tests import ROOT, TINY
 
 TINY_LORA = str(ROOT / "recipes/configs/tiny/grpo_lora.yaml")
 

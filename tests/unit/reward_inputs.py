@@ -1,18 +1,9 @@
-"""Shared fixtures of the reward tests: tiny reward files laid out like the hub repos, built once per session.
-
-Import the fixtures into a test module (`from reward_fixtures import tiny_reward_spec, offline  # noqa: F401`).
-"""
+"""Inputs of the reward tests: tiny-world prompts, smooth random images and a custom reward factory (their fixtures,
+tiny_reward_spec and offline, are in tests/conftest.py)."""
 
 from __future__ import annotations
 
-import os
-from typing import Any
-
-import pytest
 import torch
-
-# No test touches a hub: set before huggingface_hub is imported by anything.
-os.environ["HF_HUB_OFFLINE"] = "1"
 
 # Tiny-world prompts (the tiny_world reward accepts only those), with repeats as in GRPO groups.
 PROMPTS = [
@@ -23,20 +14,6 @@ PROMPTS = [
     "a green square on a yellow background",
     "a red circle on a blue background",
 ]
-
-
-@pytest.fixture(scope="session")
-def tiny_reward_spec(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """{reward name: options} pointing at tiny random-weight files (see grpo.rewards.tiny_models)."""
-    from grpo.rewards.tiny_models import write_tiny_reward_files
-
-    return write_tiny_reward_files(tmp_path_factory.mktemp("tiny_rewards"))
-
-
-@pytest.fixture
-def offline(monkeypatch: pytest.MonkeyPatch) -> None:
-    """HF_HUB_OFFLINE=1 for one test (restored afterwards)."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
 def images(n: int = 6, h: int = 64, w: int = 64, seed: int = 0) -> torch.Tensor:
