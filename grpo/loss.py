@@ -1,4 +1,5 @@
-"""PPO-clip GRPO loss on per-step log-probs (algorithm.md §7)."""
+"""PPO-clip GRPO loss on per-step log-probs (DanceGRPO fastvideo/train_grpo_flux.py, Flow-GRPO
+scripts/train_flux.py)."""
 
 from __future__ import annotations
 

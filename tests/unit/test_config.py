@@ -122,7 +122,7 @@ def test_malformed_yaml(tmp_path):
 
 
 def test_trained_transitions_matches_dancegrpo():
-    assert trained_transitions(16, 0.6) == 9  # 9 of 15 (algorithm.md §6)
+    assert trained_transitions(16, 0.6) == 9  # 9 of 15 (DanceGRPO train_grpo_flux.py: floor((N-1)·fraction))
     assert trained_transitions(12, 0.6) == 6
 
 

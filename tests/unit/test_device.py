@@ -242,7 +242,7 @@ def test_check_dtype_supported(monkeypatch):
 def _tiny_flux():
     from diffusers import FluxTransformer2DModel
 
-    # diffusers' own tiny test config (npu_deepspeed.md §4.3).
+    # diffusers' own tiny test config (diffusers tests/models/transformers/test_models_transformer_flux.py).
     return FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
                                   num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
                                   axes_dims_rope=[4, 4, 8])

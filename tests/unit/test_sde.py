@@ -102,7 +102,7 @@ def test_dynamic_sigmas_is_static_shift_with_exp_mu(n, seq_len):
 
 
 def test_dynamic_sigmas_known_values():
-    # 1024² image: L = 4096 -> mu = 1.15, s = e^1.15 ≈ 3.158 (algorithm.md §2).
+    # 1024² image: L = 4096 -> mu = 1.15, s = e^1.15 ≈ 3.158 (diffusers pipeline_flux.py calculate_shift).
     s = dynamic_sigmas(4, 4096, FLUX_SCHEDULER)
     e = math.exp(1.15)
     ref = [e * u / (1 + (e - 1) * u) for u in (1.0, 0.75, 0.5, 0.25)] + [0.0]
