@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "assets" / "tiny-flux" / "model_index.json"
 
 

@@ -9,7 +9,7 @@ from grpo.config import derive_layout, load_config, trained_transitions
 from grpo.inputs import load_ds_config
 from grpo.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PRESETS = sorted((ROOT / "recipes" / "configs").rglob("*.yaml"))
 DS_CONFIGS = sorted((ROOT / "ds_configs").glob("*.json"))
 

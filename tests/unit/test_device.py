@@ -21,7 +21,7 @@ import torch
 from grpo import device
 from grpo.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 LIBHCCL = "libhccl.so: cannot open shared object file: No such file or directory"
 

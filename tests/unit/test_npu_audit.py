@@ -15,7 +15,7 @@ from grpo.errors import ConfigError
 from grpo.tools import npu_audit
 from grpo.tools.npu_audit import Auditor
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 THIS = Path(__file__).name
 
 
@@ -66,7 +66,7 @@ def test_float64_buffer_is_caught_and_named():
     assert "class Scaler" in param.site
     (op,) = _rows(auditor, "float64")
     assert op.module == "Net.scaler" and op.op.startswith("aten.mul.Tensor")
-    assert op.site.startswith(f"tests/{THIS}:") and op.site.endswith("in forward")
+    assert op.site.startswith(f"tests/unit/{THIS}:") and op.site.endswith("in forward")
     assert op.phase == "rollout"
 
 
@@ -116,7 +116,7 @@ def test_syncs_reported_in_rollout_only_and_on_device_tensors_only():
     syncs = _rows(auditor, "sync")
     assert {f.op for f in syncs} == {"aten._local_scalar_dense", "aten.index.Tensor", "Tensor.cpu", "Tensor.tolist"}
     assert all(f.phase == "rollout" and f.count == 1 for f in syncs), auditor.format_table()
-    assert all(f.site.startswith(f"tests/{THIS}:") for f in syncs)
+    assert all(f.site.startswith(f"tests/unit/{THIS}:") for f in syncs)
     assert not _rows(auditor, "float64")
     assert kept.numel() >= 0
 

@@ -175,7 +175,7 @@ def test_labelled_duplicate_rewards() -> None:
     assert (comps[:, 0] > comps[:, 1]).all()  # quality 95 files are bigger than quality 50 ones
 
 
-PRESETS = sorted((Path(__file__).resolve().parents[1] / "recipes" / "configs" / "flux1_dev").glob("*.yaml"))
+PRESETS = sorted((Path(__file__).resolve().parents[2] / "recipes" / "configs" / "flux1_dev").glob("*.yaml"))
 
 
 def _localize(spec: dict, root: Path) -> dict:

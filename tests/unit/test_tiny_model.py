@@ -11,7 +11,7 @@ from grpo.tiny import build, world
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-ASSET = Path(__file__).resolve().parents[1] / "assets" / "tiny-flux"
+ASSET = Path(__file__).resolve().parents[2] / "assets" / "tiny-flux"
 
 
 @pytest.fixture(scope="module")

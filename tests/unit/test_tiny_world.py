@@ -62,7 +62,7 @@ def test_split_is_a_partition_and_train_covers_every_part(prompts):
 def test_prompt_files_match_the_split():
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1] / "assets" / "prompts"
+    root = Path(__file__).resolve().parents[2] / "assets" / "prompts"
     train, heldout = world.split_prompts()
     assert (root / "tiny_train.txt").read_text().splitlines() == train
     assert (root / "tiny_heldout.txt").read_text().splitlines() == heldout
