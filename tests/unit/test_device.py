@@ -20,6 +20,7 @@ import torch
 
 from grpo import device
 from grpo.errors import ConfigError
+from tests import tiny_flux_transformer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -239,21 +240,12 @@ def test_check_dtype_supported(monkeypatch):
         device.check_dtype_supported(torch.float64)
 
 
-def _tiny_flux():
-    from diffusers import FluxTransformer2DModel
-
-    # diffusers' own tiny test config (diffusers tests/models/transformers/test_models_transformer_flux.py).
-    return FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                                  num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-                                  axes_dims_rope=[4, 4, 8])
-
-
 def _backends(model: torch.nn.Module) -> set:
     return {getattr(m.processor, "_attention_backend", None) for m in model.modules() if hasattr(m, "processor")}
 
 
 def test_set_attention_backend():
-    model = _tiny_flux()
+    model = tiny_flux_transformer()
     wrapper = torch.nn.ModuleDict({"transformer": model, "head": torch.nn.Linear(2, 2)})
     assert device.set_attention_backend(wrapper, None) == "native"
     assert {str(getattr(b, "value", b)) for b in _backends(model)} == {"native"}

@@ -14,6 +14,7 @@ import torch
 from grpo.errors import ConfigError
 from grpo.tools import npu_audit
 from grpo.tools.npu_audit import Auditor
+from tests import tiny_flux_transformer
 
 REPO = Path(__file__).resolve().parents[2]
 THIS = Path(__file__).name
@@ -161,15 +162,6 @@ def test_backward_ops_are_attributed_to_autograd_nodes():
     assert backward, auditor.format_table()
 
 
-def _tiny_flux():
-    from diffusers import FluxTransformer2DModel
-
-    torch.manual_seed(0)
-    return FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                                  num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-                                  axes_dims_rope=[4, 4, 8])
-
-
 def _flux_inputs(batch: int = 2) -> dict:
     img_ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0), indexing="ij"), -1)
     return dict(hidden_states=torch.randn(batch, 16, 4), encoder_hidden_states=torch.randn(batch, 8, 32),
@@ -180,7 +172,7 @@ def _flux_inputs(batch: int = 2) -> dict:
 def test_tiny_flux_is_clean_in_the_npu_view_and_rope_fp64_shows_in_the_cpu_view():
     from diffusers.utils.torch_utils import maybe_adjust_dtype_for_device
 
-    model, inputs = _tiny_flux(), _flux_inputs()
+    model, inputs = tiny_flux_transformer(), _flux_inputs()
     with torch.no_grad():
         reference = model(**inputs).sample
 
