@@ -1,14 +1,11 @@
 """Shared pieces of the benchmarks: model presets, random-weight model folders, the machine's matmul rate, memory
-readings, FLOP counting and a torchrun launcher. Not a library module: benchmarks and their tests only."""
+readings and FLOP counting (jobs start through tools.launch). Not a library module: benchmarks and their tests only."""
 
 from __future__ import annotations
 
 import json
 import os
 import resource
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -180,26 +177,6 @@ def gb(x: float) -> str:
 
 def mb(x: float) -> str:
     return f"{x / 2**20:.1f} MiB"
-
-
-# ----------------------------------------------------------------------------------------------------- launch
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(nproc: int, script: list[str], timeout: int = 900, env: dict | None = None,
-             ) -> subprocess.CompletedProcess:
-    """Run `script` under torchrun on the CPU accelerator, one thread per process (2 shared cores here)."""
-    full_env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "OMP_NUM_THREADS": "1",
-                "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **(env or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *script]
-    proc = subprocess.run(cmd, env=full_env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"torchrun {' '.join(script)} failed:\n{proc.stderr[-4000:]}")
-    return proc
 
 
 def live_tensor_bytes() -> int:

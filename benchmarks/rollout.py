@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks._common import (ROOT, TINY, add_workload_args, build_transformer, smoke_workload, sync,  # noqa: E402
-                                torchrun, transformer_config)
+                                transformer_config)
+from tools.launch import run_torchrun  # noqa: E402
 
 
 def _inputs(tcfg: dict, batch: int, resolution: int, text_tokens: int, device: torch.device, seed: int = 0):
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             script = [__file__, "--worker", "zero3", "--out", str(out), "--preset", args.preset, "--batch",
                       str(args.batch), "--steps", str(args.steps), "--resolution", str(args.resolution),
                       "--repeats", str(args.repeats)]
-            torchrun(2, script)
+            run_torchrun(2, script, accelerator=None)
             z = json.loads(out.read_text())
         print(f"ZeRO-3 on 2 processes, LoRA policy, {args.batch} images per process: gathered once per rollout "
               f"{z['gathered']:.3f} images/s, layer-wise {z['layerwise']:.3f} images/s "

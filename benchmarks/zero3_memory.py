@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks._common import (ROOT, engine_state_bytes, hwm, live_tensor_bytes, mb, reset_peak_rss, rss,  # noqa: E402
-                                torchrun, transformer_config, write_model_folder)
+                                transformer_config, write_model_folder)
+from tools.launch import run_torchrun  # noqa: E402
 
 FULL, LORA = "recipes/configs/tiny/grpo_full.yaml", "recipes/configs/tiny/grpo_lora.yaml"
 DS_FP32 = "ds_configs/zero3_fp32.json"
@@ -279,7 +280,8 @@ def measure_states(preset: str, tmp: Path) -> dict[int, dict]:
     res = {}
     for world in (1, 2):
         out = tmp / f"states_{world}.json"
-        torchrun(world, [__file__, "--worker", "states", "--preset", preset, "--out", str(out)])
+        run_torchrun(world, [__file__, "--worker", "states", "--preset", preset, "--out", str(out)],
+                     accelerator=None)
         res[world] = json.loads(out.read_text())["runs"]
     return res
 
@@ -290,8 +292,8 @@ def measure_loading(preset: str, tmp: Path, allocators: dict[str, dict]) -> dict
     for alloc, env in allocators.items():
         for mode in ("naive", "zero3"):
             out = tmp / f"load_{mode}.json"
-            torchrun(2, [__file__, "--worker", "load", "--mode", mode, "--model", str(folder), "--out", str(out)],
-                     env=env)
+            run_torchrun(2, [__file__, "--worker", "load", "--mode", mode, "--model", str(folder), "--out", str(out)],
+                         extra_env=env, accelerator=None)
             res[mode, alloc] = json.loads(out.read_text())
     return res
 

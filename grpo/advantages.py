@@ -1,4 +1,5 @@
-"""Group-relative advantages: each reward compared with the other samples of the same prompt (algorithm.md §5)."""
+"""Group-relative advantages: each reward compared with the other samples of the same prompt (DanceGRPO
+fastvideo/train_grpo_flux.py --use_group, Flow-GRPO flow_grpo/stat_tracking.py)."""
 
 from __future__ import annotations
 

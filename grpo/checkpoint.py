@@ -231,6 +231,47 @@ def newest_valid(root: Path, move_aside: bool = False) -> Path | None:
     return None
 
 
+# What to tell the user, per setting naming the path: (no valid checkpoint in a run folder, path missing, unusable).
+_FIXES = {
+    "checkpoint": ("train with checkpoint.every > 0", "give output_dir/checkpoints/step_... or a run folder",
+                   "use an older one"),
+    "checkpoint.resume": (f"give a checkpoint folder such as {{path}}/checkpoints/{checkpoint_name(10)}, or auto",
+                          "give a checkpoint folder (output_dir/checkpoints/step_...), a run folder, auto, or null",
+                          "pick an older one under its checkpoints/ folder, or use auto"),
+}
+
+
+def find_checkpoint(path: str | Path, setting: str = "checkpoint", required: bool = True,
+                    move_aside: bool = False) -> Path | None:
+    """A verified checkpoint folder from a checkpoint folder or a run folder (its newest valid checkpoint).
+
+    Args:
+        path: ``output_dir/checkpoints/step_...`` or a run folder (an output_dir holding ``checkpoints/``).
+        setting: The config key or argument to name in errors (``checkpoint`` or ``checkpoint.resume``).
+        required: False: None instead of an error when the path or a valid checkpoint in it is missing.
+        move_aside: Move invalid newer checkpoints of a run folder aside (see :func:`newest_valid`).
+
+    Raises:
+        ConfigError: The path does not exist, a run folder holds no valid checkpoint, or the checkpoint fails
+            verification.
+    """
+    path = Path(path)
+    no_valid, missing, unusable = _FIXES[setting]
+    if checkpoint_step(path) is None and (path / "checkpoints").is_dir():  # a run folder
+        found = newest_valid(path / "checkpoints", move_aside=move_aside)
+        if found is None and required:
+            raise ConfigError(f"{setting}: {path} holds no valid checkpoint; {no_valid.format(path=path)}")
+        return found
+    if not path.is_dir():
+        if not required:
+            return None
+        raise ConfigError(f"{setting}: {path} does not exist; {missing}")
+    reason = verify(path)
+    if reason is not None:
+        raise ConfigError(f"{setting}: {path} is not a usable checkpoint ({reason}); {unusable}")
+    return path
+
+
 def _non_empty(out: Path) -> bool:
     return out.exists() and (not out.is_dir() or any(out.iterdir()))
 
@@ -259,21 +300,7 @@ def resume_point(cfg: RecipeConfig, world_size: int) -> Path | None:
             _warn("checkpoint.resume=auto: no valid checkpoint under %s; starting from step 0", out / "checkpoints")
             return None
     else:
-        path = Path(resume)
-        if path.is_dir() and (path / "checkpoints").is_dir():  # a run folder: its newest valid checkpoint
-            found = newest_valid(path / "checkpoints", move_aside=path.resolve() == out.resolve())
-            if found is None:
-                raise ConfigError(f"checkpoint.resume: {path} holds no valid checkpoint; give a checkpoint folder "
-                                  f"such as {path}/checkpoints/{checkpoint_name(10)}, or auto")
-            path = found
-        elif not path.is_dir():
-            raise ConfigError(f"checkpoint.resume: {path} does not exist; give a checkpoint folder "
-                              "(output_dir/checkpoints/step_...), a run folder, auto, or null")
-        else:
-            reason = verify(path)
-            if reason is not None:
-                raise ConfigError(f"checkpoint.resume: {path} is not a usable checkpoint ({reason}); pick an older "
-                                  "one under its checkpoints/ folder, or use auto")
+        path = find_checkpoint(resume, "checkpoint.resume", move_aside=Path(resume).resolve() == out.resolve())
     check_compatible(path, read_meta(path), cfg, world_size)
     return path
 

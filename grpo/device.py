@@ -2,7 +2,7 @@
 
 Everything device-specific in the repository goes through this module, which in turn goes through DeepSpeed's
 accelerator abstraction (``deepspeed.accelerator.get_accelerator()``): the device of a rank, the communication backend
-(HCCL on Ascend NPU, NCCL on CUDA, gloo on CPU), the RNG of the device, the autocast device type, the bf16/fp16 support
+(HCCL on Ascend NPU, NCCL on CUDA, gloo on CPU), the RNG of the device, the bf16/fp16 support
 check and diffusers' attention backend.
 
 Order matters:
@@ -28,7 +28,7 @@ import os
 import random
 import socket
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -52,12 +52,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DistInfo",
-    "DtypePolicyError",
     "accelerator",
-    "assert_no_fp64_or_complex",
-    "autocast",
     "check_dtype_supported",
     "device_for_local_rank",
+    "free_port",
     "emulate_device_on_cpu",
     "import_torch_npu",
     "init_distributed",
@@ -83,10 +81,6 @@ _CANN_HINT = (
     "or install the torch_npu build that pairs with torch {torch} (same X.Y.Z, CPU build of torch); "
     "a CPU/CUDA-only environment should not have torch_npu installed"
 )
-
-
-class DtypePolicyError(TypeError):
-    """A float64 or complex parameter, buffer or tensor where the dtype policy forbids it (NPU lacks both)."""
 
 
 def _one_line(text: str, limit: int = 300) -> str:
@@ -233,7 +227,7 @@ class DistInfo:
         return self.rank == 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A TCP port that is free on localhost right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -261,7 +255,7 @@ def _fill_single_process_env() -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
     # The CPU accelerator counts devices from LOCAL_SIZE (else NUMA nodes via numactl).
     os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
@@ -317,27 +311,6 @@ def seed_everything(seed: int) -> None:
     accelerator().manual_seed_all(seed)
 
 
-def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
-    """An autocast context for the device type of ``device`` (``npu``, ``cuda`` or ``cpu``).
-
-    Args:
-        device: The device the model runs on; only its type matters.
-        dtype: ``torch.bfloat16`` or ``torch.float16`` for mixed precision; ``torch.float32`` gives a no-op context, so
-            the fp32 parity mode runs exactly as written.
-
-    Returns:
-        A context manager.
-
-    Raises:
-        ConfigError: Any other dtype.
-    """
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    if dtype not in (torch.bfloat16, torch.float16):
-        raise ConfigError(f"dtype: autocast needs bf16, fp16 or fp32, got {dtype}; use one of {sorted(_DTYPES)}")
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
 def resolve_dtype(name: str) -> torch.dtype:
     """Maps a config dtype name to a torch dtype.
 
@@ -379,44 +352,6 @@ def check_dtype_supported(dtype: torch.dtype, setting: str = "dtype") -> None:
     if not ok:
         raise ConfigError(
             f"{setting}: {dtype} is not supported by the {acc.device_name()} accelerator; use fp32 or bf16"
-        )
-
-
-def _named_tensors(obj: Any) -> Iterable[tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) for a module's parameters and buffers, a mapping, a tensor or an iterable of tensors."""
-    if isinstance(obj, torch.nn.Module):
-        yield from obj.named_parameters()
-        yield from obj.named_buffers()
-    elif isinstance(obj, torch.Tensor):
-        yield "tensor", obj
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            for name, tensor in _named_tensors(value):
-                yield (str(key) if name == "tensor" else f"{key}.{name}"), tensor
-    elif isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)):
-        for index, value in enumerate(obj):
-            for name, tensor in _named_tensors(value):
-                yield (str(index) if name == "tensor" else f"{index}.{name}"), tensor
-
-
-def assert_no_fp64_or_complex(module_or_tensors: Any) -> None:
-    """Enforces the dtype policy: no float64 and no complex tensor (the NPU lacks kernels for both).
-
-    Args:
-        module_or_tensors: An ``nn.Module`` (its parameters and buffers are checked), a tensor, a mapping of names to
-            tensors, or an iterable of tensors (nested containers are walked).
-
-    Raises:
-        DtypePolicyError: Naming every offending tensor with its dtype.
-    """
-    bad = [
-        f"{name} ({tensor.dtype})"
-        for name, tensor in _named_tensors(module_or_tensors)
-        if tensor.dtype == torch.float64 or tensor.is_complex()
-    ]
-    if bad:
-        raise DtypePolicyError(
-            f"float64/complex tensors are not allowed (no NPU kernels): {', '.join(bad)}; cast them to float32"
         )
 
 

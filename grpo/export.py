@@ -29,29 +29,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from grpo import checkpoint as ckpt
+from grpo.checkpoint import find_checkpoint  # noqa: F401 -- also reached as grpo.export.find_checkpoint (grpo.eval)
 from grpo.errors import ConfigError, run_command
 
 log = logging.getLogger(__name__)
 
 ADAPTER = ".default"  # PEFT's adapter name inside the training module's parameter names
-
-
-def find_checkpoint(path: Path, required: bool = True) -> Path | None:
-    """A verified checkpoint folder from a checkpoint folder or a run folder (its newest valid checkpoint)."""
-    path = Path(path)
-    if ckpt.checkpoint_step(path) is None and (path / "checkpoints").is_dir():
-        found = ckpt.newest_valid(path / "checkpoints")
-        if found is None and required:
-            raise ConfigError(f"checkpoint: {path} holds no valid checkpoint; train with checkpoint.every > 0")
-        return found
-    if not path.is_dir():
-        if not required:
-            return None
-        raise ConfigError(f"checkpoint: {path} does not exist; give output_dir/checkpoints/step_... or a run folder")
-    reason = ckpt.verify(path)
-    if reason is not None:
-        raise ConfigError(f"checkpoint: {path} is not a usable checkpoint ({reason}); use an older one")
-    return path
 
 
 def _ema_weights(path: Path, meta: dict) -> dict[str, torch.Tensor]:

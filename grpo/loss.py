@@ -1,4 +1,5 @@
-"""PPO-clip GRPO loss on per-step log-probs (algorithm.md §7), optionally with GRPO-Guard's RatioNorm."""
+"""PPO-clip GRPO loss on per-step log-probs (DanceGRPO fastvideo/train_grpo_flux.py, Flow-GRPO
+scripts/train_flux.py), optionally with GRPO-Guard's RatioNorm (Flow-GRPO scripts/train_sd3_GRPO_Guard.py)."""
 
 from __future__ import annotations
 

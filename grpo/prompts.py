@@ -1,6 +1,6 @@
 """Prompt files and the precomputed prompt-embedding cache (DanceGRPO's preprocessing step).
 
-Training never holds the text encoders: `python -m grpo.prompts CONFIG [key=value ...]` encodes the train and eval
+Training never holds the text encoders: `python -m tools.prompts CONFIG [key=value ...]` encodes the train and eval
 prompt files once with the pipeline's own `encode_prompt` into safetensors files under `data.cache_dir`, named by
 a hash of (model, max_sequence_length, prompts), so a changed prompt file or model never reads a stale cache.
 """
@@ -10,14 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from grpo.errors import ConfigError, run_command
+from grpo.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -109,30 +108,3 @@ def ensure_cache(model_path: str, prompt_file: str, setting: str, cache_dir: str
         log.info("encoding %d prompts of %s into %s", len(prompts), prompt_file, path)
         save_cache(encode(model_path, prompts, max_sequence_length, device), path)
     return path
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m grpo.prompts CONFIG [key=value ...]`: precompute the embedding caches of a preset."""
-    from grpo.config import load_config
-    from grpo.device import device_for_local_rank
-    from grpo.inputs import resolve_model_path
-
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(main.__doc__)
-        return 0 if argv else 2
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-
-    def body() -> str:
-        cfg = load_config(argv[0], argv[1:])
-        model_path = resolve_model_path(cfg.model.path, cfg.model.revision)
-        device = device_for_local_rank(0)  # NPU, GPU or CPU, as the recipe picks it
-        files = [("data.train_prompts", cfg.data.train_prompts), ("data.eval_prompts", cfg.data.eval_prompts)]
-        return "\n".join(str(ensure_cache(model_path, f, setting, cfg.data.cache_dir, cfg.data.max_sequence_length,
-                                            device)) for setting, f in files if f)
-
-    return run_command(body)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

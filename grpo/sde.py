@@ -1,9 +1,11 @@
 """Sigma schedules and one stochastic (or deterministic) flow-matching sampler step with its log-probability.
 
-Conventions (algorithm.md §1–§4): sigma runs from 1 (noise) to 0 (data), x_sigma = (1 - sigma)·x0 + sigma·noise,
+Conventions (DanceGRPO fastvideo/train_grpo_flux.py, Flow-GRPO flow_grpo/diffusers_patch/sd3_sde_with_logprob.py):
+sigma runs from 1 (noise) to 0 (data), x_sigma = (1 - sigma)·x0 + sigma·noise,
 the model predicts the velocity v = noise - x0. All arithmetic here is float32 whatever the input dtype, and no
 float64 or complex tensor is ever created (Ascend NPUs lack them). Log-probs and KLs are averaged over all
-non-batch elements, the DanceGRPO / Flow-GRPO convention that keeps probability ratios near 1 (algorithm.md §3.5).
+non-batch elements, the DanceGRPO / Flow-GRPO convention that keeps probability ratios near 1 (deviations of
+1e-3..1e-4 after an update, DanceGRPO issue #47).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
 
 def shifted_sigmas(num_steps: int, shift: float) -> Tensor:
-    """SD3 static time shift of a linear schedule, as DanceGRPO samples FLUX (algorithm.md §2).
+    """SD3 static time shift of a linear schedule, as DanceGRPO samples FLUX (fastvideo/train_grpo_flux.py).
 
     sigma_i = s·u_i / (1 + (s - 1)·u_i) with u_i = 1 - i/N, written as u / (u + (1 - u)/s) so that both ends are
     exactly 1 and 0 in float32.
@@ -57,7 +59,8 @@ def time_shift(u: Tensor, shift: float) -> Tensor:
 
 
 def dynamic_sigmas(num_steps: int, image_seq_len: int, scheduler_config: dict) -> Tensor:
-    """The schedule diffusers' FluxPipeline builds with FlowMatchEulerDiscreteScheduler (algorithm.md §2).
+    """The schedule diffusers' FluxPipeline builds with FlowMatchEulerDiscreteScheduler (diffusers
+    pipelines/flux/pipeline_flux.py calculate_shift).
 
     Reuses diffusers rather than re-deriving it, so inference with the stock pipeline and our rollout agree.
 
@@ -138,7 +141,7 @@ def sde_step(
 ) -> StepOut:
     """One Euler–Maruyama step of the reverse SDE (or the Euler ODE step when eta == 0), with its log-prob.
 
-    Common form (algorithm.md §3.1), delta = sigma - sigma_next > 0:
+    Common form of DanceGRPO's flux_step and Flow-GRPO's sde_step_with_logprob, delta = sigma - sigma_next > 0:
         mean = x - delta·[v + g²/(2·sigma)·(x + (1 - sigma)·v)],  std = g·sqrt(delta)
     "dance" (DanceGRPO): g = eta. "flow" (Flow-GRPO): g = eta·sqrt(sigma / (1 - sigma')), sigma' = sigma_max where
     sigma == 1 (Flow-GRPO passes scheduler.sigmas[1] there to avoid dividing by zero), else sigma.

@@ -5,7 +5,10 @@
 #
 # Every variable keeps a value you exported before sourcing (`: "${VAR:=default}"`), so override by exporting first,
 # e.g. `HCCL_BUFFSIZE=800 source launch/npu_env.sh`. Safe under `set -euo pipefail`. Facts and sources:
-# /work/shared/reference/npu_deepspeed.md §3.6 (HCCL and allocator variables) and §3.8 (what the Ascend DanceGRPO ports set).
+# CANN's HCCL user guide (https://www.hiascend.com/document/detail/en/canncommercial/850/commlib/hcclug/),
+# torch_npu docs/zh/api/environment_variable/ (env_variable_list.md, PYTORCH_NPU_ALLOC_CONF.md), and what the Ascend
+# DanceGRPO ports set: Ascend/MindSpeed-MM examples/dancegrpo/posttrain_flux_dancegrpo.sh, verl-recipe
+# mm_dance_grpo/run_verl_dance.sh.
 
 # CANN: torch_npu cannot load libhccl.so / libascendcl.so without the toolkit's environment
 # (ImportError "... Please run 'source set_env.sh' in the CANN installation path").

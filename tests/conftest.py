@@ -1,11 +1,16 @@
-"""Test-wide settings: never touch a model hub, use DeepSpeed's CPU accelerator when no device is present."""
+"""Test-wide settings and fixtures: never touch a model hub, use DeepSpeed's CPU accelerator when no device is present,
+tiny reward model files built once per session."""
 
 import importlib.util
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import pytest
+
+# No test touches a hub: set before huggingface_hub is imported by anything.
+os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -18,3 +23,18 @@ if importlib.util.find_spec("torch_npu") is None:
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_spec(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """{reward name: options} pointing at tiny random-weight files laid out like the hub repos (see
+    grpo.rewards.tiny_models)."""
+    from grpo.rewards.tiny_models import write_tiny_reward_files
+
+    return write_tiny_reward_files(tmp_path_factory.mktemp("tiny_rewards"))
+
+
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF_HUB_OFFLINE=1 for one test (restored afterwards)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -7,7 +7,7 @@ safetensors or torch.load(weights_only=True) (transformers' default).
 
 Score: the cosine by default, `logit_scale: true` multiplies by exp(logit_scale) (~100) as the README's
 `model.logit_scale.exp() * text_embs @ image_embs.T`. Bare cosine is the default because DanceGRPO trains FLUX with it
-(algorithm.md section 12) and because it keeps PickScore (~0.2-0.25) on the same scale as HPS and CLIP score, so
+(DanceGRPO fastvideo/train_grpo_flux.py --use_pickscore: cosine, no logit scale) and because it keeps PickScore (~0.2-0.25) on the same scale as HPS and CLIP score, so
 weights in a mix mean what they say; within one reward the group-normalised advantages do not depend on the scale.
 
 Preprocessing is the processor's CLIPImageProcessor on tensors: shortest side to size["shortest_edge"] (bicubic,

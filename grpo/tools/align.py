@@ -104,14 +104,6 @@ class Side:
 
 
 # ================================================================================================ orchestration
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_side(name: str, config: str, side: Side, out: Path, workdir: Path, args: argparse.Namespace) -> None:
     """Runs one side as a job of ``side.nproc`` processes (torchrun when more than one); its rank 0 writes ``out``.
 
@@ -122,14 +114,13 @@ def run_side(name: str, config: str, side: Side, out: Path, workdir: Path, args:
     if not has_override(overrides, "output_dir"):
         overrides.append(f"output_dir={workdir / f'run_{name}'}")
     # One process needs no launcher (grpo.device.init_distributed fills in a 1-process job): saves a torch import.
-    launcher = [] if side.nproc == 1 else [
-        "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(side.nproc),
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
-    cmd = [sys.executable, *launcher, "-m", "grpo.tools.align",
-           config, *overrides, "--worker", str(out), "--record-steps", args.record_steps,
-           "--max-weights", str(args.max_weights), "--recipe", str(args.recipe)]
+    from tools.launch import torchrun_cmd  # a CLI at the edge (moves to tools/ with the other CLIs)
+
+    worker = ["-m", "grpo.tools.align", config, *overrides, "--worker", str(out), "--record-steps",
+              args.record_steps, "--max-weights", str(args.max_weights), "--recipe", str(args.recipe)]
     if args.samples is not None:
-        cmd += ["--samples", str(args.samples)]
+        worker += ["--samples", str(args.samples)]
+    cmd = [sys.executable, *worker] if side.nproc == 1 else torchrun_cmd(side.nproc, worker)
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])

@@ -5,7 +5,8 @@
 What counts as a finding (each with the module that ran it and the Python call site):
 
 * ``float64`` / ``complex``: an op reads or writes a float64 or complex tensor. Ascend lacks most float64 and complex
-  kernels (npu_deepspeed.md §3.5): they fail ("not implemented for DT_DOUBLE") or run on the AI CPU.
+  kernels (huggingface/diffusers #10428, vllm-project/vllm-omni #4911): they fail ("not implemented for DT_DOUBLE")
+  or run on the AI CPU.
 * ``fp64-param``: a module that ran has a float64/complex parameter or buffer.
 * ``unsupported-op`` / ``slow-op``: an op on :data:`NPU_OP_RULES` (unsupported on the NPU, or falls back to the CPU).
 * ``sync`` (only inside the phases in ``sync_phases``, by default the rollout loop): an op whose result the host must
@@ -94,7 +95,7 @@ def _no_output_size(tensors: Sequence[torch.Tensor], args: tuple, kwargs: dict) 
 
 
 _COMPLEX_SOURCE = (
-    "npu_deepspeed.md §3.5: aclnnIndex lacks DT_COMPLEX64 (vllm-project/vllm-omni #4911), aclnnGather lacks "
+    "aclnnIndex lacks DT_COMPLEX64 (vllm-project/vllm-omni #4911), aclnnGather lacks "
     "DT_COMPLEX128 (vllm-omni PR #6571), complex128 runs on the AI CPU (modelscope/DiffSynth-Studio PR #1191), "
     "complex32 unsupported (flagos-ai/FlagGems #3267)"
 )
@@ -108,20 +109,20 @@ NPU_OP_RULES: tuple[OpRule, ...] = (
         frozenset({"aten.view_as_complex", "aten.view_as_real", "aten.polar", "aten.complex"}),
         "unsupported-op",
         "builds or unpacks complex tensors; keep rotary embeddings real (cos/sin), as Flux does with use_real=True",
-        _COMPLEX_SOURCE + "; diffusers apply_rotary_emb complex branch (npu_deepspeed.md §4.2)",
+        _COMPLEX_SOURCE + "; diffusers models/embeddings.py apply_rotary_emb, complex branch (use_real=False)",
     ),
     OpRule(
         frozenset({"aten.index", "aten.index_select"}),
         "unsupported-op",
         "indexing a complex tensor: aclnnIndex has no DT_COMPLEX64",
-        "vllm-project/vllm-omni #4911 (npu_deepspeed.md §3.5)",
+        "vllm-project/vllm-omni #4911",
         _any_dtype(torch.complex64, torch.complex128, torch.complex32),
     ),
     OpRule(
         frozenset({"aten.gather"}),
         "unsupported-op",
         "gather on a complex tensor: aclnnGather has no DT_COMPLEX128",
-        "vllm-project/vllm-omni PR #6571 (npu_deepspeed.md §3.5)",
+        "vllm-project/vllm-omni PR #6571",
         _any_dtype(torch.complex64, torch.complex128, torch.complex32),
     ),
     # repeat_interleave(int repeats) decomposes before the dispatcher (into expand/clone), so only the float64 check
@@ -130,7 +131,7 @@ NPU_OP_RULES: tuple[OpRule, ...] = (
         frozenset({"aten.repeat_interleave"}),
         "unsupported-op",
         "float64 repeat_interleave: aclnnRepeatInterleaveIntWithDim not implemented for DT_DOUBLE (old Flux RoPE)",
-        "huggingface/diffusers #10428, fixed by PR #10123 / #10820 (npu_deepspeed.md §3.5)",
+        "huggingface/diffusers #10428, fixed by PR #10123 / #10820",
         _any_dtype(torch.float64),
     ),
     OpRule(

@@ -1,0 +1,29 @@
+"""Tests in two tiers: unit/ (in-process, fast) and recipe/ (real runs through torchrun, launch/*.sh or the CLIs;
+their one launch helper is tests/recipe/launch.py)."""
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = Path(os.environ.get("GRPO_TINY_MODEL", ROOT / "assets" / "tiny-flux"))
+
+
+def snapshot(path: Path) -> dict | None:
+    """Everything under `path` (names, sizes, mtimes, contents of small files); None if it does not exist. Tests
+    compare two snapshots to show a run left a folder untouched."""
+    if not path.exists():
+        return None
+    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else b"")
+            for p in sorted(path.rglob("*"))}
+
+
+def tiny_flux_transformer():
+    """diffusers' own tiny FluxTransformer2DModel test config (diffusers
+    tests/models/transformers/test_models_transformer_flux.py), random weights from seed 0."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    return FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                                  num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+                                  axes_dims_rope=[4, 4, 8])

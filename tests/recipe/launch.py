@@ -1,0 +1,194 @@
+"""The launch helper of the recipe tier: run the recipe (or a driver) under torchrun, to the end or in the background,
+read its metrics rows and trained weights, signal its workers, kill what is left.
+
+    proc = run_recipe(config, overrides, nproc=2)                   # to the end: a CompletedProcess
+    run = Run.start(torchrun(config, overrides), tmp / "a.log")    # in the background: wait, signal, kill_all
+    rows = train_rows(output_dir); weights = trained_weights(checkpoint, "model")
+
+torchrun starts its workers in their own sessions, so killing torchrun's process group does not reach them; these
+helpers find the workers through psutil and signal them explicitly. Command lines and the environment come from
+tools.launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from tests import ROOT, TINY
+from tools.launch import launch_env, torchrun_cmd
+
+# Minimal tiny-run settings shared by the checkpoint/fault/export tests (8 images per step on 2 processes, one
+# micro-batch per rank, one trained transition per trajectory: the fault tests count non-finite losses per backward).
+SMALL = [
+    "batch.prompts_per_step=2", "sampling.group_size=4", "batch.micro_batch_size=4", "sampling.num_steps=4",
+    "grpo.timestep_fraction=0.5",
+    "sampling.shift=dynamic", "deepspeed.config=ds_configs/zero3_fp32.json", "logging.progress=false",
+]
+
+
+def tiny_run(tmp: Path) -> list[str]:
+    """SMALL settings on a private copy of the tiny model: a rebuild of assets/tiny-flux while a chain of runs is in
+    flight (the model is rebuilt by its own tooling) must not change the base weights under a resumed run."""
+    model = tmp / "tiny-flux"
+    if not model.exists():
+        shutil.copytree(TINY, model)
+    return [f"model.path={model}", *SMALL]
+
+
+def torchrun(config: str, overrides: list[str], *, nproc: int = 2, nnodes: int = 1, node_rank: int = 0,
+             port: int | None = None, script: list[str] | None = None) -> list[str]:
+    """The torchrun command line of the recipe (or of `script`, e.g. a driver) on CONFIG with `overrides`."""
+    return torchrun_cmd(nproc, [*(script or [str(ROOT / "recipes" / "flux_grpo.py")]), "--config", str(ROOT / config),
+                                *overrides], nnodes=nnodes, node_rank=node_rank, port=port)
+
+
+def run_recipe(config: str, overrides: list[str], nproc: int, timeout: int = 600, extra_env: dict | None = None,
+               script: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Runs the recipe (or `script`) with torchrun on the CPU accelerator to the end; returns the finished process."""
+    return subprocess.run(torchrun(config, overrides, nproc=nproc, script=script), env=launch_env(extra_env),
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def script_env(extra: dict | None = None) -> dict:
+    """The environment for launch/*.sh and plain recipe processes: this one without a surrounding job's rank and
+    launcher variables, one thread per process, the repository importable, no model hub."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC", "NNODES", "NODE_RANK"):
+        env.pop(k, None)
+    return {**env, **(extra or {})}
+
+
+def run_script(script: str, args: list[str], *, extra_env: dict | None = None,
+               timeout: int = 900) -> subprocess.CompletedProcess:
+    """``bash launch/<script> ARGS`` (run.sh, multinode.sh) from the repository root, to the end."""
+    return subprocess.run(["bash", str(ROOT / "launch" / script), *args], env=script_env(extra_env), cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_plain(config: str, overrides: list[str], *, extra_env: dict | None = None,
+              timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python recipes/flux_grpo.py --config CONFIG OVERRIDES`` as one process (no launcher) on the CPU accelerator."""
+    return subprocess.run([sys.executable, str(ROOT / "recipes" / "flux_grpo.py"), "--config", str(ROOT / config),
+                           *overrides], env=script_env({"DS_ACCELERATOR": "cpu", **(extra_env or {})}), cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@dataclass
+class Run:
+    """A background launcher process whose output goes to `log`."""
+
+    proc: subprocess.Popen
+    log: Path
+    started: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def start(cls, cmd: list[str], log: Path, extra_env: dict | None = None) -> "Run":
+        f = open(log, "w")
+        proc = subprocess.Popen(cmd, env=launch_env(extra_env), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        f.close()
+        return cls(proc, log)
+
+    def workers(self) -> list[psutil.Process]:
+        found = []
+        for p in self._tree()[1:]:
+            try:
+                if "flux_grpo.py" in " ".join(p.cmdline()):
+                    found.append(p)
+            except psutil.NoSuchProcess:  # zombies included (e.g. launch scripts' finished helpers)
+                pass
+        return found
+
+    def _tree(self) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def signal_workers(self, sig: int) -> None:
+        for p in self.workers():
+            try:
+                p.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+
+    def kill_all(self) -> None:
+        """SIGKILL the launcher and every process below it (a node or a whole run dying at once)."""
+        for p in self._tree():
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.proc.wait()
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+            raise AssertionError(f"run did not finish within {timeout}s; log tail:\n{self.tail()}") from None
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+
+def train_rows(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written right now
+            break
+    return [r for r in rows if "reward_mean" in r]
+
+
+HEALTH = re.compile(r"flux_grpo step (\d+) \|")
+
+
+def steps_logged(run: Run) -> list[int]:
+    """Steps whose health line this run (its rank 0) has logged so far."""
+    return [int(m.group(1)) for m in HEALTH.finditer(run.log.read_text(errors="replace"))]
+
+
+def wait_for_step(run: Run, step: int, timeout: float = 400) -> None:
+    """Block until the run has logged the health line of `step` (fails if it ends or times out first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(s >= step for s in steps_logged(run)):
+            return
+        if run.proc.poll() is not None:
+            raise AssertionError(f"run exited with {run.proc.returncode} before step {step}:\n{run.tail()}")
+        time.sleep(0.05)
+    run.kill_all()
+    raise AssertionError(f"step {step} not reached within {timeout}s:\n{run.tail()}")
+
+
+def trained_weights(checkpoint: Path, which: str) -> dict:
+    from grpo.export import trained_weights as tw
+
+    return tw(checkpoint, which)[0]
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b), set(a) ^ set(b)
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def kill_leftovers(runs: list[Run]) -> None:
+    for r in runs:
+        if r.proc.poll() is None:
+            r.kill_all()

@@ -1,0 +1,165 @@
+"""Bad input: every case fails the recipe's start-up checks with one line `error: <setting>: ...; <fix>` (the line
+the recipe prints before exiting with code 2), before any model is loaded, and leaves output_dir exactly as it was.
+
+The cases run in this process through the checks the recipe runs before setup(): load_config (with validate),
+grpo.inputs.check_inputs for world size 1, and the resume point. Real exit-code runs (launch/*.sh, a plain recipe
+process, a LoRA target that fails on the built model) are in tests/recipe/test_bad_input_launch.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from grpo.checkpoint import resume_point
+from grpo.config import load_config
+from grpo.errors import ConfigError
+from grpo.inputs import check_inputs
+from tests import ROOT, TINY, snapshot
+
+LORA = str(ROOT / "recipes" / "configs" / "tiny" / "grpo_lora.yaml")
+
+
+def _fake_checkpoint(path: Path, world_size: int, config_overrides: list[str]) -> Path:
+    """A checkpoint folder with a valid (empty) file list and the resolved config of LORA + overrides."""
+    from grpo.checkpoint import FORMAT
+    from grpo.config import load_config, to_dict
+
+    path.mkdir(parents=True)
+    meta = {"format": FORMAT, "step": 3, "world_size": world_size, "files": {}, "lora": True, "ema": False,
+            "config": to_dict(load_config(LORA, config_overrides))}
+    (path / "meta.json").write_text(json.dumps(meta))
+    return path
+
+
+def _cases(tmp: Path) -> list[dict]:
+    """(name, extra argv, setting named first in the error)."""
+    bad_yaml = tmp / "bad.yaml"
+    bad_yaml.write_text("max_steps: [1, 2\n")
+    list_yaml = tmp / "list.yaml"
+    list_yaml.write_text("- max_steps\n- 3\n")
+    empty_prompts = tmp / "empty.txt"
+    empty_prompts.write_text("# only a comment\n\n")
+    binary_prompts = tmp / "binary.txt"
+    binary_prompts.write_bytes(b"\x00\x01\x02 a red circle\n")
+    latin1_prompts = tmp / "latin1.txt"
+    latin1_prompts.write_bytes("a caf\xe9 on a red background\n".encode("latin-1"))
+    no_index = tmp / "not_a_model"
+    no_index.mkdir()
+    ds_stage2 = tmp / "ds2.json"
+    ds_stage2.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    ds_batch = tmp / "ds_batch.json"
+    ds_batch.write_text(json.dumps({"zero_optimization": {"stage": 3}, "train_batch_size": 8}))
+    ds_garbled = tmp / "ds_garbled.json"
+    ds_garbled.write_text("{\"zero_optimization\": {\"stage\": 3,,}")
+    other_world = _fake_checkpoint(tmp / "ckpt_world4" / "step_00000003", 4, [])
+    other_preset = _fake_checkpoint(tmp / "ckpt_g8" / "step_00000003", 1, ["sampling.group_size=8"])
+    garbled_ckpt = tmp / "ckpt_garbled" / "step_00000003"
+    garbled_ckpt.mkdir(parents=True)
+    (garbled_ckpt / "meta.json").write_text("{not json")
+    cases = [
+        ("malformed YAML", ["--config", str(bad_yaml)], "config"),
+        ("missing config", ["--config", str(tmp / "nope.yaml")], "config"),
+        ("config not a mapping", ["--config", str(list_yaml)], "config"),
+        ("unknown key", ["bogus=1"], "bogus"),
+        ("unknown nested key", ["sampling.colour=red"], "sampling.colour"),
+        ("wrong type (int)", ["max_steps=ten"], "max_steps"),
+        ("wrong type (bool)", ["logging.tensorboard=maybe"], "logging.tensorboard"),
+        ("wrong type (section)", ["sampling=3"], "sampling"),
+        ("malformed override", ["noequals"], "override"),
+        ("impossible batch arithmetic", ["batch.micro_batch_size=3"], "batch.micro_batch_size"),
+        ("group of one", ["sampling.group_size=1"], "sampling.group_size"),
+        ("deterministic rollouts", ["sampling.eta=0"], "sampling.eta"),
+        ("resolution not a multiple of 16", ["sampling.resolution=60"], "sampling.resolution"),
+        ("missing model path", ["model.path=/nonexistent/flux-model"], "model.path"),
+        ("model folder without model_index.json", [f"model.path={no_index}"], "model.path"),
+        ("missing reward model file", ["rewards={hpsv2: {weight: 1.0, repo: /nonexistent/hps}}"], "rewards.hpsv2.repo"),
+        ("unknown reward", ["rewards={beauty: 1.0}"], "rewards.beauty"),
+        ("missing prompt file", [f"data.train_prompts={tmp / 'nope.txt'}"], "data.train_prompts"),
+        ("empty prompt file", [f"data.train_prompts={empty_prompts}"], "data.train_prompts"),
+        ("binary prompt file", [f"data.train_prompts={binary_prompts}"], "data.train_prompts"),
+        ("non-UTF-8 prompt file", [f"data.eval_prompts={latin1_prompts}"], "data.eval_prompts"),
+        ("missing deepspeed config", [f"deepspeed.config={tmp / 'nope.json'}"], "deepspeed.config"),
+        ("garbled deepspeed config", [f"deepspeed.config={ds_garbled}"], "deepspeed.config"),
+        ("ZeRO stage 2", [f"deepspeed.config={ds_stage2}"], "deepspeed.config"),
+        ("batch size set in deepspeed config", [f"deepspeed.config={ds_batch}"], "deepspeed.config"),
+        ("non-empty output_dir without resume", [], "output_dir"),
+        ("resume path missing", [f"checkpoint.resume={tmp / 'no_such_ckpt'}"], "checkpoint.resume"),
+        ("resume from another world size", [f"checkpoint.resume={other_world}"], "checkpoint.resume"),
+        ("resume from another preset", [f"checkpoint.resume={other_preset}"], "checkpoint.resume"),
+        ("resume from a garbled checkpoint", [f"checkpoint.resume={garbled_ckpt}"], "checkpoint.resume"),
+        ("keep no checkpoint", ["checkpoint.keep=0"], "checkpoint.keep"),
+        ("EMA decay out of range", ["ema.decay=1.5"], "ema.decay"),
+        ("zero comm timeout", ["faults.comm_timeout_s=0"], "faults.comm_timeout_s"),
+        ("zero skip limit", ["faults.max_consecutive_skips=0"], "faults.max_consecutive_skips"),
+        ("wandb not installed", ["logging.wandb=true"], "logging.wandb"),
+        ("unknown dtype", ["model.dtype=fp64"], "model.dtype"),
+        ("empty LoRA targets", ["lora.target_modules=[]"], "lora.target_modules"),
+    ]
+    out = []
+    for i, (name, argv, setting) in enumerate(cases):
+        run_dir = tmp / f"out{i}"
+        if name.startswith("non-empty output_dir"):
+            run_dir.mkdir()
+            (run_dir / "notes.txt").write_text("an earlier run's file\n")
+        if "--config" not in argv:
+            argv = ["--config", LORA, *argv]
+        argv = [*argv, f"output_dir={run_dir}", f"data.cache_dir={tmp / 'cache'}", f"model.path={TINY}"] \
+            if not any(a.startswith("model.path=") for a in argv) else [*argv, f"output_dir={run_dir}",
+                                                                         f"data.cache_dir={tmp / 'cache'}"]
+        out.append({"name": name, "argv": argv, "setting": setting, "out": str(run_dir)})
+    return out
+
+
+def start_up_error(argv: list[str]) -> str | None:
+    """The recipe's start-up checks for `--config CONFIG OVERRIDES` on 1 process, as it runs them before setup():
+    the `error: ...` line of the first that fails (what the recipe prints before exiting 2), None when all pass."""
+    assert argv[0] == "--config"
+    try:
+        cfg = load_config(argv[1], argv[2:])
+        check_inputs(cfg, 1)
+        resume_point(cfg, 1)
+    except ConfigError as e:
+        return f"error: {e}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad")
+    cases = _cases(tmp)
+    before = {c["name"]: snapshot(Path(c["out"])) for c in cases}
+    got = {c["name"]: start_up_error(c["argv"]) for c in cases}
+    return [(c, got[c["name"]], before[c["name"]], snapshot(Path(c["out"]))) for c in cases]
+
+
+def test_at_least_twenty_cases(results):
+    assert len(results) >= 20
+
+
+def test_each_bad_input_fails_with_one_line_naming_the_setting(results):
+    failures = []
+    for case, line, _, _ in results:
+        ok = (line is not None and len(line.splitlines()) == 1 and line.startswith(f"error: {case['setting']}")
+              and len(line) < 400)
+        if not ok:
+            failures.append(f"{case['name']}: {line!r}")
+    assert not failures, "\n".join(failures)
+
+
+def test_output_dir_is_left_untouched(results):
+    changed = [case["name"] for case, _, before, after in results if before != after]
+    assert not changed
+
+
+def test_messages_say_how_to_fix_it(results):
+    """Spot checks that the line carries the fix, not just the complaint."""
+    by_name = {case["name"]: line for case, line, _, _ in results}
+    assert "checkpoint.resume=auto" in by_name["non-empty output_dir without resume"]
+    assert "relaunch on 4 processes" in by_name["resume from another world size"]
+    assert "sampling.group_size=8 in the checkpoint, 4 now" in by_name["resume from another preset"]
+    assert "hf download" in by_name["missing reward model file"]
+    assert "valid keys under sampling" in by_name["unknown nested key"]
+    assert "not valid YAML (line " in by_name["malformed YAML"]

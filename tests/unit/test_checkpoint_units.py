@@ -1,0 +1,160 @@
+"""Fast checks (no launch) of the pieces behind resume, EMA export, metrics on resume, health and security."""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from grpo import checkpoint as ckpt
+from grpo import health
+from grpo.config import load_config, to_dict
+from grpo.ema import PREFIX, assemble
+from grpo.metrics import MetricsLogger
+from tests import ROOT
+
+LORA = ROOT / "recipes" / "configs" / "tiny" / "grpo_lora.yaml"
+
+
+def _checkpoint(root: Path, step: int, files: dict[str, bytes]) -> Path:
+    path = root / ckpt.checkpoint_name(step)
+    path.mkdir(parents=True)
+    for name, data in files.items():
+        (path / name).write_bytes(data)
+    meta = {"format": ckpt.FORMAT, "step": step, "world_size": 2, "lora": True, "ema": False, "config": {},
+            "files": {n: [len(d), ckpt._sha256(path / n)] for n, d in files.items()}}
+    (path / "meta.json").write_text(json.dumps(meta))
+    return path
+
+
+def test_verify_detects_truncation_corruption_and_missing_files(tmp_path):
+    files = {f"zero_pp_rank_{r}_optim_states.pt": bytes(range(256)) * (r + 3) for r in range(2)}
+    good = _checkpoint(tmp_path, 2, files)
+    assert ckpt.verify(good) is None
+    truncated = _checkpoint(tmp_path, 3, files)
+    f = truncated / "zero_pp_rank_1_optim_states.pt"
+    f.write_bytes(f.read_bytes()[:-10])
+    assert "truncated" in ckpt.verify(truncated)
+    flipped = _checkpoint(tmp_path, 4, files)
+    f = flipped / "zero_pp_rank_0_optim_states.pt"
+    data = bytearray(f.read_bytes())
+    data[100] ^= 0xFF
+    f.write_bytes(bytes(data))
+    assert "corrupted" in ckpt.verify(flipped)
+    missing = _checkpoint(tmp_path, 5, files)
+    (missing / "zero_pp_rank_0_optim_states.pt").unlink()
+    assert "missing" in ckpt.verify(missing)
+    no_meta = _checkpoint(tmp_path, 6, files)
+    (no_meta / "meta.json").write_text("{")
+    assert "meta.json" in ckpt.verify(no_meta)
+    (tmp_path / ".tmp-step_00000007").mkdir()  # a save in progress is never a candidate
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == [ckpt.checkpoint_name(s) for s in (6, 5, 4, 3, 2)]
+    assert ckpt.newest_valid(tmp_path) == good
+
+
+def test_rank_shares_cover_every_file_once():
+    names = [f"f{i}" for i in range(11)]
+    for world in (1, 2, 3, 8):
+        shares = [ckpt._share(names, r, world) for r in range(world)]
+        assert sorted(n for s in shares for n in s) == sorted(names)
+
+
+def test_resume_refuses_other_presets_but_not_run_control_settings(tmp_path):
+    base = to_dict(load_config(LORA))
+    same = to_dict(load_config(LORA, ["max_steps=99", "output_dir=/x", "checkpoint.every=3", "logging.eval_every=1",
+                                      "faults.comm_timeout_s=60", "ema.decay=0.9", "data.cache_dir=/c"]))
+    assert ckpt.config_differences(base, same) == []
+    other = to_dict(load_config(LORA, ["optim.lr=1e-2", "sampling.num_steps=7"]))
+    diff = ckpt.config_differences(base, other)
+    assert [d.split("=")[0] for d in diff] == ["optim.lr", "sampling.num_steps"]
+    relative = to_dict(load_config(LORA, ["model.path=assets/tiny-flux"]))
+    absolute = to_dict(load_config(LORA, [f"model.path={ROOT / 'assets' / 'tiny-flux'}"]))
+    if (ROOT / "assets" / "tiny-flux").exists() and Path("assets/tiny-flux").exists():
+        assert ckpt.config_differences(relative, absolute) == []
+
+
+def test_rng_state_round_trip():
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    tensors, meta = ckpt.rng_state(None)
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    random.seed(9)
+    np.random.seed(9)
+    torch.manual_seed(9)
+    ckpt.set_rng_state(tensors, meta, None)
+    got = (random.random(), np.random.rand(), torch.rand(3))
+    assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+    from safetensors.torch import load_file, save_file
+
+    save_file(tensors, "/tmp/_grpo_rng_test.safetensors", metadata=meta)  # safetensors-ready: tensors + str metadata
+    assert set(load_file("/tmp/_grpo_rng_test.safetensors")) == set(tensors)
+    Path("/tmp/_grpo_rng_test.safetensors").unlink()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_ema_shards_reassemble_like_zero3_partitions(world):
+    """ZeRO-3 pads a flattened parameter to a multiple of the world size; rank r holds the r-th equal slice."""
+    params = {"a.weight": torch.randn(5, 7), "b.bias": torch.randn(3), "c": torch.randn(2, 2, 2)}
+    shards = [{} for _ in range(world)]
+    shapes = {}
+    for name, p in params.items():
+        size = -(-p.numel() // world)
+        flat = torch.cat([p.flatten(), torch.full((size * world - p.numel(),), float("nan"))])
+        for r in range(world):
+            shards[r][PREFIX + name] = flat[r * size:(r + 1) * size]
+        shapes[name] = [list(p.shape), p.numel()]
+    out = assemble(shards, shapes)
+    for name, p in params.items():
+        assert torch.equal(out[name], p)
+
+
+def test_metrics_on_resume_drop_the_lost_part_of_the_run(tmp_path):
+    rows = [{"step": 0, "eval/reward_mean": 0.1}, {"step": 0, "reward_mean": 0.2}, {"step": 1, "reward_mean": 0.3},
+            {"step": 2, "eval/reward_mean": 0.4}, {"step": 2, "reward_mean": 0.5}, {"step": 3, "reward_mean": 0.6}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    logger = MetricsLogger(tmp_path, True, tensorboard=False, resume_step=2)
+    kept = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert kept == rows[:4]  # steps 0-1 and the eval after 2 steps; steps 2-3 are redone
+    logger.log(2, {"reward_mean": 0.5, "reward_std": 0.1})
+    assert (tmp_path / "reward_curve.png").stat().st_size > 1000
+    fresh = MetricsLogger(tmp_path, True, tensorboard=False, resume_step=None)  # auto found no checkpoint
+    assert (tmp_path / "metrics.jsonl").read_text() == "" and fresh.rows == []
+
+
+def test_skip_counter_and_fault_injection(monkeypatch):
+    c = health.SkipCounter(limit=2)
+    assert [c.record(s) for s in (True, False, True, True)] == [False, False, False, True]
+    assert (c.consecutive, c.total) == (2, 3)
+    monkeypatch.setenv(health.FAULT_ENV, "nan_reward@2,nan_loss@3:1")
+    x = torch.ones(3, requires_grad=True)
+    assert torch.isnan(health.inject("nan_reward", 2, 0, x)).all()
+    assert torch.equal(health.inject("nan_reward", 1, 0, x), x)
+    assert torch.equal(health.inject("nan_loss", 3, 0, x), x) and torch.isnan(health.inject("nan_loss", 3, 1, x)).all()
+    monkeypatch.delenv(health.FAULT_ENV)
+    line = health.health_line(4, {"reward_mean": 0.5, "loss": 1e-6, "ratio_max_dev": 0.0, "clip_frac": 0.0,
+                                  "grad_norm": float("inf"), "kl": 0.0, "nonfinite/tiny_world": 4.0,
+                                  "nonfinite/loss": 1.0, "skipped_updates": 1.0, "step_time_s": 2.0})
+    assert "\n" not in line and "grad_norm inf" in line and "nonfinite reward/loss/grad 4/1/0" in line
+
+
+def test_security_no_unsafe_loads_and_no_remote_code():
+    """torch.load only with weights_only=True (DeepSpeed's own checkpoint loader is the documented exception)."""
+    sources = [*ROOT.glob("grpo/**/*.py"), *ROOT.glob("recipes/**/*.py")]
+    for f in sources:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = ast.unparse(node.func)
+            kw = {k.arg: k.value for k in node.keywords}
+            if name == "torch.load":
+                assert isinstance(kw.get("weights_only"), ast.Constant) and kw["weights_only"].value is True, \
+                    f"{f}:{node.lineno}"
+            assert name not in ("pickle.load", "pickle.loads"), f"{f}:{node.lineno}"
+            remote = kw.get("trust_remote_code")
+            assert not (isinstance(remote, ast.Constant) and remote.value is True), f"{f}:{node.lineno}"

@@ -1,0 +1,238 @@
+"""Presets, overrides, batch arithmetic and DeepSpeed config filling."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from grpo.config import derive_layout, load_config, trained_transitions
+from grpo.inputs import load_ds_config
+from grpo.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+PRESETS = sorted((ROOT / "recipes" / "configs").rglob("*.yaml"))
+DS_CONFIGS = sorted((ROOT / "ds_configs").glob("*.json"))
+
+
+def test_presets_exist():
+    names = {str(p.relative_to(ROOT / "recipes" / "configs")) for p in PRESETS}
+    assert {"tiny/grpo_lora.yaml", "tiny/grpo_full.yaml", "flux1_dev/grpo_lora.yaml",
+            "flux1_dev/grpo_full.yaml"} <= names
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.parent.name + "/" + p.name)
+def test_every_preset_loads_and_splits(preset):
+    cfg = load_config(preset)
+    worlds = (1, 2) if preset.parent.name == "tiny" else (1, 2, 8, 64)
+    for world in worlds:
+        lay = derive_layout(cfg, world)
+        ids = [lay.rank_sample_ids(r) for r in range(world)]
+        flat = sorted(i for r in ids for i in r)
+        assert flat == list(range(lay.samples_per_step))  # every sample on exactly one rank
+        assert lay.ds_train_batch_size == lay.micro_batch_size * lay.grad_accum_steps * world
+
+
+def test_tiny_preset_on_8_and_64_processes():
+    """As its header says: valid as it is on 1, 2 and 8 processes, and on 64 with micro-batch 1."""
+    cfg = load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml")
+    assert [derive_layout(cfg, n).samples_per_rank for n in (1, 2, 8)] == [64, 32, 8]
+    cfg = load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml", ["batch.micro_batch_size=1"])
+    assert derive_layout(cfg, 64).samples_per_rank == 1
+
+
+def test_tiny_presets_differ_from_flux1_dev_only_in_values():
+    """Tiny presets mirror the real ones key for key, so a user moving up changes values, not structure."""
+    import yaml
+
+    def keys(d, prefix=""):
+        out = set()
+        for k, v in d.items():
+            out.add(prefix + k)
+            if isinstance(v, dict) and k != "rewards":
+                out |= keys(v, prefix + k + ".")
+        return out
+
+    for kind in ("lora", "full"):
+        tiny = yaml.safe_load((ROOT / f"recipes/configs/tiny/grpo_{kind}.yaml").read_text())
+        dev = yaml.safe_load((ROOT / f"recipes/configs/flux1_dev/grpo_{kind}.yaml").read_text())
+        assert keys(tiny) == keys(dev)
+
+
+def test_update_blocks_are_world_size_invariant():
+    cfg = load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml",
+                      ["batch.updates_per_step=2", "batch.micro_batch_size=4"])
+    one, two = derive_layout(cfg, 1), derive_layout(cfg, 2)
+    n = one.samples_per_rank_per_update
+    blocks_one = [set(one.rank_sample_ids(0)[u * n:(u + 1) * n]) for u in range(2)]
+    m = two.samples_per_rank_per_update
+    blocks_two = [set(two.rank_sample_ids(0)[u * m:(u + 1) * m]) | set(two.rank_sample_ids(1)[u * m:(u + 1) * m])
+                  for u in range(2)]
+    assert blocks_one == blocks_two
+
+
+def test_overrides_types_and_lora_switch():
+    cfg = load_config(ROOT / "recipes/configs/tiny/grpo_full.yaml",
+                      ["max_steps=3", "output_dir=/tmp/x", "seed=7", "lora.rank=4", "optim.lr=1e-5",
+                       "sampling.shift=dynamic"])
+    assert (cfg.max_steps, cfg.output_dir, cfg.seed) == (3, "/tmp/x", 7)
+    assert cfg.lora is not None and cfg.lora.rank == 4
+    assert cfg.optim.lr == 1e-5 and cfg.sampling.shift == "dynamic"
+    assert load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml", ["lora=null"]).lora is None
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["sampling.colour=1"], "sampling.colour: unknown setting; valid keys under sampling: resolution"),
+        (["bogus=1"], "bogus: unknown setting; valid keys: output_dir"),
+        (["max_steps=ten"], "max_steps: expected an integer"),
+        (["max_steps=0"], "max_steps: must be > 0"),
+        (["sampling.group_size=1"], "sampling.group_size"),
+        (["sampling.eta=0"], "sampling.eta"),
+        (["sampling.sde=ddim"], "sampling.sde"),
+        (["sampling.shift=auto"], "sampling.shift"),
+        (["sampling.resolution=60"], "sampling.resolution"),
+        (["grpo.timestep_fraction=1.5"], "grpo.timestep_fraction"),
+        (["grpo.std_scope=global"], "grpo.std_scope"),
+        (["model.gradient_checkpointing=maybe"], "model.gradient_checkpointing: expected bool or int"),
+        (["lora.target_modules=[]"], "lora.target_modules"),
+        (["rewards={}"], "rewards: empty"),
+        (["noequals"], "expected key=value"),
+    ],
+)
+def test_bad_settings_name_the_setting(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        cfg = load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml", overrides)
+        derive_layout(cfg, 1)
+    assert needle in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_impossible_batch_arithmetic():
+    cfg = load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml", ["batch.prompts_per_step=3"])
+    with pytest.raises(ConfigError, match="do not split over 2 processes|micro_batch_size"):
+        derive_layout(cfg, 2)
+
+
+def test_malformed_yaml(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_steps: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_trained_transitions_matches_dancegrpo():
+    assert trained_transitions(16, 0.6) == 9  # 9 of 15 (DanceGRPO train_grpo_flux.py: floor((N-1)·fraction))
+    assert trained_transitions(12, 0.6) == 6
+
+
+@pytest.mark.parametrize("ds_path", DS_CONFIGS, ids=lambda p: p.name)
+def test_ds_configs_are_stage3_and_get_batch_fields(ds_path):
+    cfg = load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml")
+    lay = derive_layout(cfg, 2)
+    ds = load_ds_config(str(ds_path), cfg, lay)
+    assert ds["zero_optimization"]["stage"] == 3
+    assert ds["train_batch_size"] == lay.ds_train_batch_size
+    assert ds["gradient_accumulation_steps"] == lay.grad_accum_steps
+    assert ds["gradient_clipping"] == cfg.optim.max_grad_norm
+
+
+def test_ds_config_with_batch_fields_is_rejected(tmp_path):
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps({"zero_optimization": {"stage": 3}, "train_batch_size": 8}))
+    cfg = load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml")
+    with pytest.raises(ConfigError, match="sets train_batch_size; remove it"):
+        load_ds_config(str(p), cfg, derive_layout(cfg, 1))
+
+
+@pytest.mark.parametrize("value", ["6", "128", "-8"])
+def test_rollout_micro_batch_must_be_a_dividing_multiple_of_the_update_micro_batch(value):
+    # tiny preset: micro-batch 8, 32 images per process on 2 processes; -8 is refused by load_config already
+    with pytest.raises(ConfigError, match="^batch.rollout_micro_batch_size: "):
+        cfg = load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml", [f"batch.rollout_micro_batch_size={value}"])
+        derive_layout(cfg, 2)
+    assert derive_layout(load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml",
+                                     ["batch.rollout_micro_batch_size=16"]), 2).rollout_micro_batch_size == 16
+
+
+def test_a_preset_missing_a_required_key_names_it_and_its_help(tmp_path):
+    text = (ROOT / "recipes/configs/tiny/grpo_lora.yaml").read_text().replace("  eta: 0.7", "  # eta removed")
+    preset = tmp_path / "p.yaml"
+    preset.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(preset)
+    assert str(e.value).startswith(f"sampling.eta: missing from {preset}; add it (SDE noise")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("optim.lr=inf", "optim.lr: must be a finite number, got inf"),
+    ("optim.lr=.inf", "optim.lr: must be a finite number, got inf"),
+    ("sampling.eta=.nan", "sampling.eta: must be a finite number, got nan"),
+    ("optim.lr='1e-4'", "optim.lr: expected a number, got '1e-4'"),
+    ("optim.betas=[0.9, 1.0]", "optim.betas: expected two numbers in [0, 1)"),
+    ("optim.betas=[-0.1, 0.9]", "optim.betas: expected two numbers in [0, 1)"),
+])
+def test_non_finite_and_out_of_range_numbers_are_refused(override, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml", [override])
+    assert str(e.value).startswith(needle) and "\n" not in str(e.value)
+
+
+def test_exponent_without_dot_is_a_number():
+    assert load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml", ["optim.lr=1e-4"]).optim.lr == 1e-4
+
+
+def test_duplicate_yaml_key_is_refused_with_its_line(tmp_path):
+    preset = tmp_path / "dup.yaml"
+    text = (ROOT / "recipes/configs/tiny/grpo_lora.yaml").read_text()
+    preset.write_text(text.replace("  eta: 0.7", "  eta: 0.7\n  eta: 0.3"))
+    line = text.splitlines().index("  eta: 0.7                        # more exploration than FLUX.1-dev's 0.3: 6 "
+                                   "steps only") + 1
+    with pytest.raises(ConfigError) as e:
+        load_config(preset)
+    assert str(e.value) == f"config: {preset} line {line + 1}: key 'eta' is already set at line {line}; keep one"
+
+
+def test_non_utf8_config_is_one_line(tmp_path):
+    preset = tmp_path / "latin1.yaml"
+    preset.write_bytes("output_dir: runs/caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"^config: .*latin1.yaml is not UTF-8 text \(byte 20\); save it as UTF-8$"):
+        load_config(preset)
+
+
+def test_lora_switch_on_a_full_preset_fills_the_documented_lora_keys():
+    from grpo.config import LORA_SWITCH_DEFAULTS
+
+    lora = load_config(ROOT / "recipes/configs/tiny/grpo_full.yaml", ["lora.rank=16"]).lora
+    assert lora.rank == 16 and lora.alpha == LORA_SWITCH_DEFAULTS["alpha"]
+    assert lora.target_modules == LORA_SWITCH_DEFAULTS["target_modules"]
+    with pytest.raises(ConfigError, match="^lora.rank: missing from"):
+        load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml", ["lora={alpha: 2, init: gaussian, "
+                                                                   "target_modules: [to_q]}"])
+
+
+def test_resume_rules_and_paths_come_from_the_schema():
+    from grpo.config import is_path, resume_free
+
+    assert resume_free("logging.eval_every") and resume_free("checkpoint") and resume_free("model.zero_init")
+    assert not resume_free("optim.lr") and not resume_free("rewards.hpsv2.weight") and not resume_free("lora")
+    assert not resume_free("no_such.key")
+    assert is_path("model.path") and is_path("deepspeed.config") and not is_path("model.dtype")
+
+
+def test_help_lists_every_setting_with_its_help(capsys):
+    import dataclasses
+
+    from grpo.config import RecipeConfig
+    from grpo.inputs import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for section in dataclasses.fields(RecipeConfig):
+        assert f"  {section.name} (" in out
+    assert "  sampling.eta (float; required): SDE noise" in out
+    assert "  ema.decay (float or null; default null): " in out
+    assert "  logging.eval_every (int; required): " in out and "[may change on resume]" in out
+    assert "\n  hpsv2: HPS" in out and "    version (v2.0 | v2.1; default v2.1): " in out
