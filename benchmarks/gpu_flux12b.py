@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from grpo import device as dev
     from grpo import engine as eng
-    from grpo.config import derive_layout
+    from grpo.layout import derive_layout
     from grpo.inputs import load_ds_config
     from grpo.flux import make_conditioning, pack
     from grpo.loss import grpo_loss

@@ -137,7 +137,8 @@ def worker_zero3(args, out: Path) -> None:
 
     from grpo import device as dev
     from grpo import engine as eng
-    from grpo.config import derive_layout, load_config
+    from grpo.config import load_config
+    from grpo.layout import derive_layout
     from grpo.inputs import load_ds_config
     from grpo.flux import make_conditioning
     from grpo.rollout import SDEParams, sample

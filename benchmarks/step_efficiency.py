@@ -38,7 +38,7 @@ class Iteration:
     """The inputs of one GRPO iteration and the iteration itself, for any model/backward/step."""
 
     def __init__(self, tcfg: dict, batch: int, steps: int, resolution: int, text_tokens: int, device: torch.device):
-        from grpo.config import trained_transitions
+        from grpo.layout import trained_transitions
         from grpo.flux import make_conditioning, pack
         from grpo.sde import shifted_sigmas
 
@@ -89,7 +89,8 @@ def plain(model: torch.nn.Module, max_norm: float = 1.0):
 def deepspeed_engine(tcfg: dict, it: Iteration, steps: int):
     from grpo import device as dev
     from grpo import engine as eng
-    from grpo.config import derive_layout, load_config
+    from grpo.config import load_config
+    from grpo.layout import derive_layout
     from grpo.inputs import load_ds_config
 
     dev.init_distributed()

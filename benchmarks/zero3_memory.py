@@ -53,7 +53,7 @@ def recipe_config(yaml: str, kl: float, extra: list[str] = ()):
 def filled_ds(cfg, world: int, one_step: bool = True) -> dict:
     """The recipe's DeepSpeed config; one_step: accumulation 1, so a single backward already steps the optimizer
     (its state exists only after a step)."""
-    from grpo.config import derive_layout
+    from grpo.layout import derive_layout
     from grpo.inputs import load_ds_config
 
     ds = load_ds_config(cfg.deepspeed.config, cfg, derive_layout(cfg, world))

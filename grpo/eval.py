@@ -103,7 +103,7 @@ def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weight
     from grpo import device as dev
     from grpo import engine as eng
     from grpo import export
-    from grpo.config import derive_layout
+    from grpo.layout import derive_layout
     from grpo.flux import load_parts
     from grpo.inputs import load_ds_config, resolve_model_path
     from grpo.metrics import save_grid

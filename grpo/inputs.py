@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo import checkpoint, metrics, prompts
-from grpo.config import Layout, RecipeConfig, derive_layout, load_config
+from grpo.config import RecipeConfig, load_config
+from grpo.layout import Layout, derive_layout
 from grpo.errors import ConfigError, run_command
 from grpo.rewards import check_rewards
 

@@ -16,7 +16,7 @@ step 0 through the recipe's own methods: rollout, reward, advantage, update. It 
 * the outputs of the transformer's blocks (``time_text_embed``, ``context_embedder``, ``x_embedder``, ``pos_embed``,
   ``transformer_blocks.*``, ``single_transformer_blocks.*``, ``norm_out``, ``proj_out``) through forward hooks, during
   the rollout, for the chosen denoising steps (``--record-steps``, default the first and the last) of rank 0's first
-  micro-batch. The recipe assigns samples to ranks in contiguous, world-size-independent blocks (grpo.config.Layout),
+  micro-batch. The recipe assigns samples to ranks in contiguous, world-size-independent blocks (grpo.layout.Layout),
   so rank 0's first micro-batch is always global samples 0..micro_batch_size-1, on 1 process or on N: the same
   trajectories, fed in the same micro-batch, on both sides;
 * the whole step's trajectories (latents along the way, the decoded x0 prediction), rollout log-probs, rewards,
@@ -140,7 +140,8 @@ def run_side(name: str, config: str, side: Side, out: Path, workdir: Path, args:
 
 def _check_settings(config: str, side: Side) -> None:
     """Fails fast, before any process starts, on settings the recipe would reject (ConfigError)."""
-    from grpo.config import derive_layout, load_config
+    from grpo.config import load_config
+    from grpo.layout import derive_layout
 
     derive_layout(load_config(config, side.overrides), side.nproc)
 

@@ -48,7 +48,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from grpo.config import LoraConfig, RecipeConfig, derive_layout, load_config
+from grpo.config import LoraConfig, RecipeConfig, load_config
+from grpo.layout import derive_layout
 from grpo.device import resolve_dtype
 from grpo.errors import ConfigError, run_command
 from grpo.flux import enable_checkpointing

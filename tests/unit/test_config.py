@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo.config import derive_layout, load_config, trained_transitions
+from grpo.config import load_config
+from grpo.layout import derive_layout, trained_transitions
 from grpo.inputs import load_ds_config
 from grpo.errors import ConfigError
 

@@ -131,7 +131,8 @@ _ENGINE_STEPS = r"""
 import json, sys, torch
 from deepspeed.utils import safe_get_full_fp32_param
 from grpo import device as dev, engine as eng
-from grpo.config import derive_layout, load_config
+from grpo.config import load_config
+from grpo.layout import derive_layout
 from grpo.inputs import load_ds_config
 from grpo.tools.plan import transformer_inputs
 from benchmarks._common import build_transformer, transformer_config
