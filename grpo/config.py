@@ -64,15 +64,38 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
+class WindowConfig:
+    placement: str = setting(choices=("progressive", "random"),
+                             help="progressive: the window slides over the steps as training goes on (MixGRPO); "
+                                  "random: a new seeded start every GRPO step (Flow-GRPO-Fast)")
+    size: int = setting(help="SDE steps per rollout, all of them trained (MixGRPO: 4; Flow-GRPO-Fast: 3)")
+    shift_every: int | None = setting(None, help="progressive: GRPO steps before the window moves (MixGRPO tau: 25)")
+    stride: int | None = setting(None, help="progressive: steps the window moves each time (MixGRPO: 1); 0 = fixed "
+                                            "at the first steps (MixGRPO-Flash*)")
+    high: int | None = setting(None, help="random: starts are drawn from [0, high - size] (Flow-GRPO-Fast: "
+                                          "num_steps // 2)")
+
+
+@dataclass(kw_only=True)
 class SamplingConfig:
     resolution: int = setting(help="image side in pixels, a multiple of 16")
     num_steps: int = setting(help="denoising steps per rollout")
     eta: float = setting(help="SDE noise of the rollouts, > 0; eval always uses 0 (deterministic ODE)")
-    sde: str = setting(help="dance: g = eta (DanceGRPO); flow: g = eta*sqrt(sigma/(1-sigma)) (Flow-GRPO)")
+    sde: str = setting(choices=("dance", "flow", "cps"),
+                       help="dance: g = eta (DanceGRPO); flow: g = eta*sqrt(sigma/(1-sigma)) (Flow-GRPO); cps: "
+                            "coefficients-preserving sampling, eta = noise level in (0, 1] (Flow-GRPO's CPS)")
     shift: float | str = setting(help="static SD3 time shift, or dynamic for diffusers' resolution-dependent shift")
     guidance: float = setting(help="FLUX.1-dev distilled guidance embedding")
     group_size: int = setting(help="images per prompt (G), at least 2")
     init_same_noise: bool = setting(help="a group shares its initial noise (DanceGRPO's init_same_noise)")
+    window: WindowConfig | None = setting(
+        None, help="SDE window: only its steps are stochastic and trained, the others deterministic ODE steps "
+                   "(MixGRPO, Flow-GRPO-Fast); null = every step SDE, grpo.timestep_fraction of them trained")
+    tail: str = setting("euler", choices=("euler", "dpm2"),
+                        help="steps after the window: euler (the schedule's own steps) or dpm2 (MixGRPO-Flash: "
+                             "DPM-Solver++(2M) on a schedule compressed by compress_ratio)")
+    compress_ratio: float | None = setting(None, help="dpm2: the tail keeps floor((num_steps - L) * ratio) points, "
+                                                      "at least 2 (MixGRPO-Flash: 0.4)")
 
 
 @dataclass(kw_only=True)
@@ -98,6 +121,8 @@ class GRPOConfig:
     timestep_fraction: float = setting(help="share of the N-1 trainable transitions drawn per micro-batch, in (0, 1]")
     kl_coef: float = setting(0.0, help="weight of the exact per-step Gaussian KL to the initial policy; 0 = off (no "
                                        "reference model at all). Flow-GRPO's beta weights KL*dt: kl_coef = beta*dt")
+    ratio_norm: bool = setting(False, help="GRPO-Guard's RatioNorm and 1/dt gradient reweighting against the ratio "
+                                           "bias of low-noise steps (sampling.sde: flow only)")
 
 
 @dataclass(kw_only=True)
@@ -265,8 +290,9 @@ def validate(cfg: RecipeConfig) -> None:
         raise ConfigError(f"sampling.num_steps: {s.num_steps} leaves no trainable transition; use at least 2")
     if s.eta < 0:
         raise ConfigError(f"sampling.eta: {s.eta} is negative; use eta >= 0 (0 = ODE)")
-    if s.sde not in ("dance", "flow"):
-        raise ConfigError(f"sampling.sde: {s.sde!r} is unknown; use dance or flow")
+    if s.sde == "cps" and s.eta > 1:
+        raise ConfigError(f"sampling.eta: {s.eta} is above 1, the largest CPS noise level; Flow-GRPO uses 0.8")
+    _validate_strategy(cfg)
     if isinstance(s.shift, str) and s.shift != "dynamic":
         raise ConfigError(f"sampling.shift: {s.shift!r}; use a number (e.g. 3.0) or dynamic")
     if not isinstance(s.shift, str):
@@ -311,6 +337,45 @@ def validate(cfg: RecipeConfig) -> None:
         raise ConfigError(f"model.dtype: {cfg.model.dtype!r}; use fp32, bf16 or fp16")
     _validate_run_control(cfg)
     _validate_profile(cfg)
+
+
+def _validate_strategy(cfg: RecipeConfig) -> None:
+    """The SDE window, the solver after it and RatioNorm must fit the schedule and each other."""
+    s, w = cfg.sampling, cfg.sampling.window
+    if w is not None:
+        bound = s.num_steps - 2  # the last two transitions are never trained (MixGRPO's max_timesteps)
+        if not 1 <= w.size <= bound:
+            raise ConfigError(f"sampling.window.size: {w.size}; use 1 .. num_steps - 2 = {bound}")
+        if cfg.grpo.timestep_fraction != 1.0:
+            raise ConfigError(f"grpo.timestep_fraction: {cfg.grpo.timestep_fraction} with sampling.window: every "
+                              "window step is trained; set 1.0")
+        need = {"progressive": ("shift_every", "stride"), "random": ("high",)}[w.placement]
+        unused = {"progressive": ("high",), "random": ("shift_every", "stride")}[w.placement]
+        for key in need:
+            if getattr(w, key) is None:
+                raise ConfigError(f"sampling.window.{key}: required with placement {w.placement} (see --help)")
+        for key in unused:
+            if getattr(w, key) is not None:
+                raise ConfigError(f"sampling.window.{key}: only for the other placement; remove it")
+        if w.placement == "progressive" and (w.shift_every < 1 or w.stride < 0):
+            raise ConfigError(f"sampling.window: shift_every {w.shift_every} must be >= 1 and stride {w.stride} "
+                              ">= 0 (MixGRPO: 25 and 1)")
+        if w.placement == "random" and not w.size <= w.high <= s.num_steps - 1:
+            raise ConfigError(f"sampling.window.high: {w.high}; use size .. num_steps - 1 = {s.num_steps - 1} "
+                              f"(Flow-GRPO-Fast: num_steps // 2)")
+    if s.tail == "dpm2":
+        if w is None:
+            raise ConfigError("sampling.tail: dpm2 replaces the steps after an SDE window; set sampling.window")
+        if isinstance(s.shift, str):
+            raise ConfigError("sampling.tail: dpm2 compresses a static schedule; set a numeric sampling.shift (e.g. 3)")
+        if s.compress_ratio is None or not 0 < s.compress_ratio <= 1:
+            raise ConfigError(f"sampling.compress_ratio: {s.compress_ratio}; dpm2 needs a ratio in (0, 1] "
+                              "(MixGRPO-Flash: 0.4)")
+    elif s.compress_ratio is not None:
+        raise ConfigError("sampling.compress_ratio: only for sampling.tail: dpm2; remove it or set tail: dpm2")
+    if cfg.grpo.ratio_norm and s.sde != "flow":
+        raise ConfigError(f"grpo.ratio_norm: true needs sampling.sde: flow (GRPO-Guard normalises Flow-SDE "
+                          f"log-ratios), got {s.sde}")
 
 
 def _validate_profile(cfg: RecipeConfig) -> None:

@@ -20,12 +20,14 @@ from grpo.data import INIT_NOISE, initial_noise
 from grpo.flux import Conditioning, FluxParts, decode, make_conditioning, pack, velocity
 from grpo.prompts import PromptCache
 from grpo.sde import StepOut, dynamic_sigmas, predicted_x0, sde_step, shifted_sigmas
+from grpo.solvers import dpm_solver_pp_sample, flash_sigmas
+from grpo.windows import rollout_window
 
 
 @dataclass
 class SDEParams:
     eta: float
-    kind: str  # dance | flow
+    kind: str  # dance | flow | cps
 
     def step(self, x: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, i: int, *,
              noise: torch.Tensor | None = None, prev_sample: torch.Tensor | None = None) -> StepOut:
@@ -35,13 +37,15 @@ class SDEParams:
 
 @dataclass
 class Trajectories:
-    latents: torch.Tensor  # [B, T+1, S, C] float32: x_0 (noise) .. x_T
-    log_probs: torch.Tensor | None  # [B, T] float32; None for ODE rollouts
-    x0: torch.Tensor  # [B, S, C] float32: clean latent predicted at x_{T-1}, the one that is decoded
+    latents: torch.Tensor  # [B, K+1, S, C] float32: x_0 (noise) .. x_K, K = T, or L+1 before a dpm2 tail
+    log_probs: torch.Tensor | None  # [B, K] float32 (0 at ODE steps outside the window); None for ODE rollouts
+    x0: torch.Tensor  # [B, S, C] float32: the clean latent that is decoded
+    means: torch.Tensor | None = None  # [B, K, S, C] SDE means of each step, when recorded (GRPO-Guard)
 
     def select(self, rows: slice) -> "Trajectories":
         lp = None if self.log_probs is None else self.log_probs[rows]
-        return Trajectories(self.latents[rows], lp, self.x0[rows])
+        means = None if self.means is None else self.means[rows]
+        return Trajectories(self.latents[rows], lp, self.x0[rows], means)
 
 
 def timestep(sigmas: torch.Tensor, i: int, batch: int) -> torch.Tensor:
@@ -51,32 +55,51 @@ def timestep(sigmas: torch.Tensor, i: int, batch: int) -> torch.Tensor:
 
 @torch.no_grad()
 def sample(model: torch.nn.Module, cond: Conditioning, init_latents: torch.Tensor, sigmas: torch.Tensor,
-           sde: SDEParams, noise_generators: list[torch.Generator] | None = None) -> Trajectories:
+           sde: SDEParams, noise_generators: list[torch.Generator] | None = None, window: range | None = None,
+           tail: torch.Tensor | None = None, keep_means: bool = False) -> Trajectories:
     """Roll out one micro-batch from `init_latents` [B, S, C] along `sigmas` [T+1].
 
     With eta > 0 each step's noise is drawn on the CPU from that trajectory's own generator, so a trajectory does
     not depend on which other trajectories share its micro-batch, nor on the device type.
+
+    window: the steps sampled with the SDE, their log-probs recorded (None = every step). The other steps are
+        deterministic Euler steps; their noise is still drawn (and dropped, as MixGRPO does), so where the window
+        lies does not change any trajectory's noise (grpo/windows.py).
+    tail: MixGRPO-Flash's schedule after the window (grpo.solvers.flash_sigmas(...)[L + 1:]): the steps after
+        window[-1] are replaced by DPM-Solver++(2M) steps on it, and x0 is its end at sigma 0.
+    keep_means: also record each step's SDE mean (GRPO-Guard's RatioNorm needs the rollout's).
     """
     b, steps = init_latents.shape[0], len(sigmas) - 1
     device = init_latents.device
     x = init_latents.float()
-    latents, log_probs = [x], []
-    for i in range(steps):
+    latents, log_probs, means = [x], [], []
+    ode = SDEParams(0.0, sde.kind)
+    grid_steps = steps if tail is None else window[-1] + 1
+    for i in range(grid_steps):
         v = velocity(model, x, timestep(sigmas, i, b).to(device), cond)
-        if i == steps - 1:
+        if i == steps - 1 or (tail is not None and i == grid_steps - 1):
             x0 = predicted_x0(x, v, float(sigmas[i]))
         noise = None
         if sde.eta > 0:
             noise = torch.stack([torch.randn(x.shape[1:], generator=g) for g in noise_generators]).to(device)
-        out = sde.step(x, v, sigmas, i, noise=noise)
+        stochastic = window is None or i in window
+        out = sde.step(x, v, sigmas, i, noise=noise) if stochastic else ode.step(x, v, sigmas, i)
         x = out.prev_sample
         latents.append(x)
-        if out.log_prob is not None:
-            log_probs.append(out.log_prob)
+        if sde.eta > 0:
+            log_probs.append(out.log_prob if stochastic else torch.zeros(b, device=device))
+        if keep_means:
+            means.append(out.mean)
+    if tail is not None:
+        def x0_of(xt: torch.Tensor, k: int) -> torch.Tensor:
+            return predicted_x0(xt, velocity(model, xt, timestep(tail, k, b).to(device), cond), float(tail[k]))
+
+        x0 = dpm_solver_pp_sample(x, x0_of, tail, x0_prev=x0, sigma_prev=float(sigmas[grid_steps - 1]))
     return Trajectories(
         latents=torch.stack(latents, dim=1),
         log_probs=torch.stack(log_probs, dim=1) if log_probs else None,
         x0=x0,
+        means=torch.stack(means, dim=1) if keep_means else None,
     )
 
 
@@ -107,8 +130,7 @@ class FluxSampler:
     guidance_embeds: bool
     sigmas: torch.Tensor  # [num_steps + 1]
     sde: SDEParams
-    resolution: int
-    guidance: float
+    sampling: SamplingConfig  # the preset's: resolution, guidance, SDE window and the solver after it
     seed: int
     device: torch.device
     dtype: torch.dtype  # the transformer's
@@ -120,12 +142,12 @@ class FluxSampler:
         config = parts.transformer.config
         latent_size = parts.latent_size(s.resolution)
         return cls(vae, parts.vae_scale_factor, latent_size, config.in_channels // 4, config.guidance_embeds,
-                   schedule(s, latent_size, parts.scheduler_config), SDEParams(s.eta, s.sde), s.resolution,
-                   s.guidance, seed, device, dtype)
+                   schedule(s, latent_size, parts.scheduler_config), SDEParams(s.eta, s.sde), s, seed, device,
+                   dtype)
 
     def conditioning(self, cache: PromptCache, prompt_idx: list[int]) -> Conditioning:
         return make_conditioning(cache.prompt_embeds[prompt_idx], cache.pooled[prompt_idx], self.latent_size,
-                                 self.guidance, self.guidance_embeds, self.device, self.dtype)
+                                 self.sampling.guidance, self.guidance_embeds, self.device, self.dtype)
 
     def initial_latents(self, step: int, keys: list[int], stream: int = INIT_NOISE) -> torch.Tensor:
         """Packed float32 starting noise [B, S, C], one pure function of (seed, step, key, stream) per row."""
@@ -133,15 +155,25 @@ class FluxSampler:
         noise = torch.stack([initial_noise(shape, self.seed, step, k, stream) for k in keys])
         return pack(noise).to(self.device)
 
+    def window(self, step: int) -> range | None:
+        """The SDE window of GRPO step `step` (grpo/windows.py), or None: every step SDE."""
+        return rollout_window(self.sampling, self.seed, step)
+
     def sample(self, model: torch.nn.Module, cond: Conditioning, init_latents: torch.Tensor,
-               noise_generators: list[torch.Generator] | None = None, eta: float | None = None) -> Trajectories:
-        """:func:`sample` along this sampler's schedule; `eta` overrides the preset's (0 = ODE, as in eval)."""
+               noise_generators: list[torch.Generator] | None = None, window: range | None = None,
+               eta: float | None = None, keep_means: bool = False) -> Trajectories:
+        """:func:`sample` along this sampler's schedule, with the preset's solver after `window`; `eta` overrides
+        the preset's (0 = ODE, as in eval)."""
         sde = self.sde if eta is None else SDEParams(eta, self.sde.kind)
-        return sample(model, cond, init_latents, self.sigmas, sde, noise_generators)
+        tail = None
+        if window is not None and self.sampling.tail == "dpm2":
+            last = window[-1]
+            tail = flash_sigmas(self.sigmas, last, self.sampling.compress_ratio, float(self.sampling.shift))[last + 1:]
+        return sample(model, cond, init_latents, self.sigmas, sde, noise_generators, window, tail, keep_means)
 
     def transition(self, model: torch.nn.Module, cond: Conditioning, latents: torch.Tensor, i: int) -> StepOut:
         """:func:`transition` i of stored trajectory `latents` along this sampler's schedule."""
         return transition(model, cond, latents, self.sigmas, i, self.sde)
 
     def decode(self, x0: torch.Tensor) -> torch.Tensor:
-        return decode(self.vae, x0, self.resolution, self.vae_scale_factor)
+        return decode(self.vae, x0, self.sampling.resolution, self.vae_scale_factor)

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from grpo.config import SamplingConfig
 from grpo.data import WINDOW, generator
 from grpo.errors import ConfigError
 
-__all__ = ["sde_mask", "trainable_bound", "random_window", "window"]
+__all__ = ["rollout_window", "sde_mask", "trainable_bound", "random_window", "window"]
 
 
 def trainable_bound(num_steps: int) -> int:
@@ -40,11 +41,13 @@ def window(step: int, num_steps: int, size: int, shift_every: int, stride: int, 
     stride=size for that); once c > M it rolls back to 0 (roll_back) or is clamped to M. The window is
     [c, min(c + size, M)) with M = T - 2. Here c = (step // tau)·stride, wrapped or clamped.
 
-    Deliberate difference (the pitfall "window empties at its last start"): in the source c may equal M, giving the
-    empty range(M, M) for tau steps (an optimizer step on zero gradient). Here the starts are limited to c <= M - 1,
-    so the window is never empty: with roll_back the cycle of starts is 0, stride, ..., k·stride (the largest
-    multiple <= M - 1) and then 0 again; without roll_back c stays at M - 1 (one-step window) once it gets there.
-    stride 0 keeps the window at [0, size) (MixGRPO-Flash*, "frozen"). A size larger than M is clamped to M.
+    Deliberate difference (the pitfall "window empties at its last start"): in the source c may reach M, where the
+    window [c, M) shrinks and at c = M is the empty range(M, M) for tau steps (an optimizer step on zero gradient).
+    Here every window is full: the starts are limited to c <= M - size, so each GRPO step trains exactly `size`
+    transitions per trajectory (DeepSpeed's gradient accumulation count is fixed for a run). With roll_back the
+    cycle of starts is 0, stride, ..., k·stride (the largest multiple <= M - size) and then 0 again; without
+    roll_back c stays at the last start once it gets there. stride 0 keeps the window at [0, size) (MixGRPO-Flash*,
+    "frozen"). A size larger than M is clamped to M.
 
     Args:
         step: GRPO step (0-based), the only "state".
@@ -66,7 +69,8 @@ def window(step: int, num_steps: int, size: int, shift_every: int, stride: int, 
         raise ConfigError(f"window shift_every: must be >= 1, got {shift_every}")
     if stride < 0:
         raise ConfigError(f"window stride: must be >= 0, got {stride}")
-    last = bound - 1  # the last start with a non-empty window
+    size = min(size, bound)
+    last = bound - size  # the last start with a full window
     moves = step // shift_every
     if stride == 0:
         start = 0
@@ -74,7 +78,7 @@ def window(step: int, num_steps: int, size: int, shift_every: int, stride: int, 
         start = (moves % (last // stride + 1)) * stride
     else:
         start = min(moves * stride, last)
-    return range(start, min(start + size, bound))
+    return range(start, start + size)
 
 
 def random_window(step: int, num_steps: int, size: int, low: int, high: int, seed: int, index: int = 0) -> range:
@@ -118,3 +122,13 @@ def sde_mask(win: range, num_steps: int) -> list[bool]:
     if len(win) == 0 or win.start < 0 or win.stop > num_steps or win.step != 1:
         raise ValueError(f"window {win} is not a non-empty contiguous range inside [0, {num_steps})")
     return [i in win for i in range(num_steps)]
+
+
+def rollout_window(s: SamplingConfig, seed: int, step: int) -> range | None:
+    """The SDE window of GRPO step `step` under the preset's `sampling.window`, or None (every step SDE)."""
+    w = s.window
+    if w is None:
+        return None
+    if w.placement == "progressive":
+        return window(step, s.num_steps, w.size, w.shift_every, w.stride)
+    return random_window(step, s.num_steps, w.size, 0, w.high, seed)

@@ -68,7 +68,7 @@ from grpo.errors import ConfigError
 from grpo.flux import enable_checkpointing, load_parts
 from grpo.inputs import check_inputs
 from grpo.loading import transformer_loader
-from grpo.loss import grpo_loss
+from grpo.loss import RatioNorm, grpo_loss
 from grpo.metrics import MetricsLogger, progress, save_grid
 from grpo.profiling import PhaseClock, StepProfiler
 from grpo.prompts import ensure_cache, load_cache
@@ -274,6 +274,7 @@ class FluxGRPORecipe:
         micro-batches (the unit of everything after), and decode x0 predicted at the last step."""
         cfg, g, lay = self.cfg, self.cfg.sampling.group_size, self.layout
         prompt_of_slot = prompts_for_step(len(self.train_prompts), cfg.batch.prompts_per_step, cfg.seed, step)
+        window = self.sampler.window(step)  # None: every step SDE, a random share of them trained per chunk
         chunks = []
         with eng.inference_module(self.engine, cfg.deepspeed.gather_for_rollout) as model:
             for ids in progress(micro_batches(lay.rank_sample_ids(self.rank), lay.rollout_micro_batch_size),
@@ -282,11 +283,12 @@ class FluxGRPORecipe:
                 noise_keys = [s // g for s in ids] if cfg.sampling.init_same_noise else ids
                 cond = self.sampler.conditioning(self.train_prompts, prompt_idx)
                 traj = self.sampler.sample(model, cond, self.sampler.initial_latents(step, noise_keys),
-                                           [step_noise_generator(cfg.seed, step, s) for s in ids])
+                                           [step_noise_generator(cfg.seed, step, s) for s in ids], window,
+                                           keep_means=cfg.grpo.ratio_norm)
                 for i in range(0, len(ids), lay.micro_batch_size):
                     rows = slice(i, i + lay.micro_batch_size)
-                    trained = trained_steps(cfg.sampling.num_steps - 1, lay.trained_transitions, cfg.seed, step,
-                                            ids[rows][0])
+                    trained = list(window) if window is not None else trained_steps(
+                        cfg.sampling.num_steps - 1, lay.trained_transitions, cfg.seed, step, ids[rows][0])
                     chunks.append(Chunk(ids[rows], prompt_idx[rows], cond.select(rows), traj.select(rows), trained))
         for c in chunks:  # decode after the gathered weights are released
             c.images = self.sampler.decode(c.traj.x0)
@@ -349,7 +351,7 @@ class FluxGRPORecipe:
                 out = self.sampler.transition(self.engine, c.cond, c.traj.latents, j)
                 kl = kl_same_std(out.mean, c.reference[j], out.std) if g.kl_coef > 0 else None
                 loss, st = grpo_loss(out.log_prob, c.traj.log_probs[:, j], adv, clip_range=g.clip_range, kl=kl,
-                                     kl_coef=g.kl_coef)
+                                     kl_coef=g.kl_coef, ratio_norm=self._ratio_norm(out, c, j))
                 loss = health.inject("nan_loss", step, self.rank, loss)  # a no-op outside fault tests
                 if not torch.isfinite(loss):  # make its gradient non-finite too: ZeRO-3 then sees a non-finite
                     loss = loss * float("nan")  # global grad norm (all-reduced) and skips this optimizer step
@@ -367,6 +369,13 @@ class FluxGRPORecipe:
         stats.skipped_updates = float(skipped)
         stats.nonfinite_grad = float(skipped if stats.nonfinite_loss == 0 else 0)
         return stats
+
+    def _ratio_norm(self, out, c: Chunk, j: int) -> RatioNorm | None:
+        """GRPO-Guard (grpo.ratio_norm): the rollout's and the policy's SDE means of transition j, and its scales."""
+        if not self.cfg.grpo.ratio_norm:
+            return None
+        sqrt_dt = float(self.sampler.sigmas[j] - self.sampler.sigmas[j + 1]) ** 0.5
+        return RatioNorm(out.mean, c.traj.means[:, j], out.std / sqrt_dt, sqrt_dt)
 
     # --------------------------------------------------------------------------------------------- evaluate
     @torch.no_grad()

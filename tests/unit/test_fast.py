@@ -16,7 +16,7 @@ from grpo.loss import RatioNorm, grpo_loss, ratio_norm_log_ratio
 from grpo.sde import SDE_KINDS, predicted_x0, sde_step, shifted_sigmas
 from grpo.solvers import dpm_solver_pp_sample, dpm_solver_pp_step, flash_sigmas, tail_points
 from grpo.windows import random_window, sde_mask, trainable_bound, window
-from tests.test_sde import _DtypeRecorder, _gen, _xv
+from tests.unit.test_sde import _DtypeRecorder, _gen, _xv
 
 # --- CPS (flow_grpo@54809b5 sd3_sde_with_logprob.py, sde_type == 'cps') ------------------------------------------
 
@@ -151,33 +151,33 @@ def _mixgrpo_states(num_steps, size, tau, stride, iters, roll_back=True):
 
 
 @pytest.mark.parametrize("t,w,tau,s", [(25, 4, 25, 1), (25, 4, 20, 4), (10, 3, 2, 2), (6, 2, 1, 1), (16, 4, 3, 5)])
-def test_window_follows_mixgrpo_except_the_empty_one(t, w, tau, s):
+def test_window_follows_mixgrpo_while_the_source_window_is_full(t, w, tau, s):
     src = _mixgrpo_states(t, w, tau, s, iters=400)
     ours = [list(window(k, t, w, tau, s)) for k in range(400)]
-    # Identical until the source reaches its empty window (start == M); MixGRPO's own run (300 its, tau 25) never does.
-    first_empty = next((k for k, r in enumerate(src) if not r), len(src))
-    assert ours[:first_empty] == src[:first_empty]
-    assert all(ours) and all(0 <= i < t - 2 for r in ours for i in r)
-    if first_empty < len(src):
-        # Ours rolls back where the source would sit on range(M, M) for tau steps.
-        assert ours[first_empty] == src[0]
+    # Identical until the source's window first shrinks below `size` (its start passes M - size); MixGRPO's own run
+    # (300 iterations, tau 25, T 25: starts 0..11) never gets there.
+    first_short = next((k for k, r in enumerate(src) if len(r) < w), len(src))
+    assert ours[:first_short] == src[:first_short]
+    assert all(len(r) == w for r in ours) and all(0 <= i < t - 2 for r in ours for i in r)
+    if first_short < len(src):
+        # Ours rolls back where the source would train a shorter (and then an empty) window.
+        assert ours[first_short] == src[0]
 
 
 def test_window_edges_roll_back_and_clamp():
-    # T = 25 -> M = 23: starts 0..22, then back to 0; the window shrinks at the end but never empties.
+    # T = 25 -> M = 23, size 4: starts 0..19 keep the window full, then back to 0; never shorter, never empty.
     assert trainable_bound(25) == 23
     assert window(0, 25, 4, 25, 1) == range(0, 4)
     assert window(24, 25, 4, 25, 1) == range(0, 4) and window(25, 25, 4, 25, 1) == range(1, 5)
-    assert window(19 * 25, 25, 4, 25, 1) == range(19, 23)
-    assert window(22 * 25, 25, 4, 25, 1) == range(22, 23)  # the last start: one step
-    assert window(23 * 25, 25, 4, 25, 1) == range(0, 4)  # roll back (the source: range(23, 23), empty)
-    assert window(22 * 25 + 10**6 * 23 * 25, 25, 4, 25, 1) == range(22, 23)  # periodic
+    assert window(19 * 25, 25, 4, 25, 1) == range(19, 23)  # the last start: the window ends at M
+    assert window(20 * 25, 25, 4, 25, 1) == range(0, 4)  # roll back (the source: range(20, 23), a short window)
+    assert window(19 * 25 + 10**6 * 20 * 25, 25, 4, 25, 1) == range(19, 23)  # periodic
     # Without roll back the window stays at the last start.
-    assert window(10**6, 25, 4, 25, 1, roll_back=False) == range(22, 23)
-    # Non-overlapping (stride = size): starts 0, 4, ..., 20, then 0.
-    assert [window(k, 25, 4, 1, 4).start for k in range(8)] == [0, 4, 8, 12, 16, 20, 0, 4]
+    assert window(10**6, 25, 4, 25, 1, roll_back=False) == range(19, 23)
+    # Non-overlapping (stride = size): starts 0, 4, ..., 16, then 0 (20 would end past M = 23).
+    assert [window(k, 25, 4, 1, 4).start for k in range(7)] == [0, 4, 8, 12, 16, 0, 4]
     # Size larger than M is clamped to [0, M); Flash* (stride 0) never moves.
-    assert window(0, 6, 10, 1, 1) == range(0, 4) and window(7, 6, 10, 1, 1) == range(3, 4)
+    assert window(0, 6, 10, 1, 1) == range(0, 4) and window(7, 6, 10, 1, 1) == range(0, 4)
     assert all(window(k, 25, 4, 20, 0) == range(0, 4) for k in range(0, 2000, 37))
     with pytest.raises(ConfigError, match="num_steps"):
         window(0, 2, 1, 1, 1)
