@@ -41,11 +41,12 @@ class Trajectories:
     log_probs: torch.Tensor | None  # [B, K] float32 (0 at ODE steps outside the window); None for ODE rollouts
     x0: torch.Tensor  # [B, S, C] float32: the clean latent that is decoded
     means: torch.Tensor | None = None  # [B, K, S, C] SDE means of each step, when recorded (GRPO-Guard)
+    nfe: int = 0  # transformer calls per trajectory, solver tail included
 
     def select(self, rows: slice) -> "Trajectories":
         lp = None if self.log_probs is None else self.log_probs[rows]
         means = None if self.means is None else self.means[rows]
-        return Trajectories(self.latents[rows], lp, self.x0[rows], means)
+        return Trajectories(self.latents[rows], lp, self.x0[rows], means, self.nfe)
 
 
 def timestep(sigmas: torch.Tensor, i: int, batch: int) -> torch.Tensor:
@@ -100,6 +101,7 @@ def sample(model: torch.nn.Module, cond: Conditioning, init_latents: torch.Tenso
         log_probs=torch.stack(log_probs, dim=1) if log_probs else None,
         x0=x0,
         means=torch.stack(means, dim=1) if keep_means else None,
+        nfe=grid_steps + (0 if tail is None else len(tail) - 1),
     )
 
 

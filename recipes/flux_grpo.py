@@ -244,7 +244,11 @@ class FluxGRPORecipe:
         timings = {"time/rollout_s": clock.seconds["rollout"], "time/reward_s": clock.seconds["reward"],
                    "time/update_s": clock.seconds["train"], "step_time_s": clock.total,
                    "samples_per_s": self.layout.samples_per_step / clock.total}
-        return StepResult(chunks, rewards, advantages, {**reward_stats, **adv_stats, **update.metrics(), **timings})
+        # Transformer compute per image in forward-equivalents (a backward counts 2): what strategies trade.
+        trained = len(chunks[0].trained)
+        cost = chunks[0].traj.nfe + 3 * trained + (trained if self.cfg.grpo.kl_coef > 0 else 0)
+        return StepResult(chunks, rewards, advantages, {**reward_stats, **adv_stats, **update.metrics(), **timings,
+                                                        "forwards_per_image": float(cost)})
 
     def _after_step(self, done: int, stop: health.StopSignal, too_many_skips: bool) -> bool:
         """Held-out eval and checkpoint when due; True when a stop signal arrived (the checkpoint is then written)."""

@@ -1,0 +1,179 @@
+"""Held-out reward per unit of transformer compute: DanceGRPO against the fast flow-GRPO strategies, side by side.
+
+Every strategy starts from the same base model (assets/tiny-flux), the same preset (recipes/configs/tiny/grpo_lora.yaml)
+and the same seeds, and gets the same budget of transformer compute, counted in forward-equivalents per image (a
+rollout step or a reference forward costs 1, a trained transition 3: its forward and a backward that costs 2). The
+baseline runs `--budget-steps` steps; each strategy runs as many steps as fit in the baseline's compute. The
+held-out reward (eta = 0, the same fixed noise for every run, so the comparison is paired) is read every few steps.
+
+    python benchmarks/time_to_reward.py [--budget-steps 20] [--out runs/time_to_reward] [--smoke]
+
+Headline (last line): time_to_reward_speedup = compute the baseline needs to reach its final held-out gain /
+compute the best strategy needs to reach the same gain (linear between eval points; 0 when none reaches it).
+The compute a strategy spends per step comes from grpo's own window and solver functions, and is checked against
+the `forwards_per_image` each run logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from grpo.config import load_config  # noqa: E402
+from grpo.layout import trained_transitions  # noqa: E402
+from grpo.solvers import tail_points  # noqa: E402
+from grpo.windows import rollout_window  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESET = "recipes/configs/tiny/grpo_lora.yaml"
+
+# name -> (overrides on the preset, where it comes from). Window sizes and placements follow the sources, scaled to
+# the tiny world's 6 steps (MixGRPO: 25 steps, window 4, tau 25; Flow-GRPO-Fast: window over the first half).
+STRATEGIES: dict[str, tuple[list[str], str]] = {
+    "dancegrpo": ([], "every step SDE, every transition trained (the preset; DanceGRPO)"),
+    "mixgrpo": (["sampling.sde=flow", "sampling.window={placement: progressive, size: 2, shift_every: 4, stride: 1}"],
+                "Flow-SDE window of 2 sliding every 4 steps, ODE elsewhere (MixGRPO)"),
+    "mixgrpo_flash": (["sampling.sde=flow",
+                       "sampling.window={placement: progressive, size: 2, shift_every: 4, stride: 1}",
+                       "sampling.tail=dpm2", "sampling.compress_ratio=0.5"],
+                      "MixGRPO + DPM-Solver++(2M) on a halved tail (MixGRPO-Flash)"),
+    "flowgrpo_fast": (["sampling.sde=cps", "sampling.eta=0.8", "grpo.clip_range=1e-5",
+                       "sampling.window={placement: random, size: 2, high: 3}"],
+                      "CPS window of 2 at a random start in the first half (Flow-GRPO-Fast)"),
+}
+
+SMOKE = ["batch.prompts_per_step=4", "sampling.group_size=2", "batch.micro_batch_size=4", "logging.eval_seeds=1",
+         "logging.tensorboard=false", "logging.sample_every=0", "logging.progress=false"]
+
+
+def step_cost(cfg, step: int) -> int:
+    """Forward-equivalents per image of GRPO step `step`: rollout calls + 3 per trained transition (+1 with KL)."""
+    s = cfg.sampling
+    window = rollout_window(s, cfg.seed, step)
+    if window is None:
+        rollout, trained = s.num_steps, trained_transitions(s.num_steps, cfg.grpo.timestep_fraction)
+    else:
+        tail = 0 if s.tail != "dpm2" else tail_points(s.num_steps, window[-1], s.compress_ratio) - 1
+        rollout = (window[-1] + 1 + tail) if tail else s.num_steps
+        trained = len(window)
+    return rollout + 3 * trained + (trained if cfg.grpo.kl_coef > 0 else 0)
+
+
+def steps_within(cfg, budget: float) -> int:
+    """How many steps of `cfg` fit in `budget` forward-equivalents per image (at least 1)."""
+    spent, n = 0.0, 0
+    while spent + step_cost(cfg, n) <= budget + 1e-9:
+        spent += step_cost(cfg, n)
+        n += 1
+    return max(n, 1)
+
+
+def run(name: str, overrides: list[str], steps: int, eval_every: int, out: Path) -> list[dict]:
+    run_dir = out / name
+    cmd = ["bash", str(ROOT / "launch" / "run.sh"), PRESET, *overrides, f"output_dir={run_dir}", f"max_steps={steps}",
+           f"logging.eval_every={eval_every}", "checkpoint.every=0", "logging.progress=false"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{proc.stderr[-4000:]}")
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def curve(rows: list[dict], cfg) -> list[tuple[float, float]]:
+    """(compute per image spent before the eval, held-out reward) at every eval of a run; checks the cost model."""
+    spent, out = {0: 0.0}, []
+    for r in rows:
+        if "forwards_per_image" in r:
+            expected = step_cost(cfg, r["step"])
+            if r["forwards_per_image"] != expected:
+                raise SystemExit(f"step {r['step']}: the run logged {r['forwards_per_image']} forwards per image, "
+                                 f"the cost model says {expected}")
+            spent[r["step"] + 1] = spent[r["step"]] + expected
+    for r in rows:
+        if "eval/reward_mean" in r:
+            out.append((spent[r["step"]], r["eval/reward_mean"]))
+    return out
+
+
+def compute_to_reach(points: list[tuple[float, float]], gain: float) -> float | None:
+    """The compute at which the held-out gain over the first eval first reaches `gain` (linear between evals)."""
+    base = points[0][1]
+    for (c0, r0), (c1, r1) in zip(points, points[1:]):
+        if r1 - base >= gain:
+            g0 = r0 - base
+            return c1 if r1 == r0 else c0 + (c1 - c0) * max(0.0, (gain - g0) / (r1 - r0))
+    return None
+
+
+def plot(curves: dict[str, list[tuple[float, float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, pts in curves.items():
+        ax.plot([c for c, _ in pts], [r for _, r in pts], marker="o", label=name)
+    ax.set_xlabel("transformer compute per image (forward-equivalents)")
+    ax.set_ylabel("held-out reward (eta = 0)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget-steps", type=int, default=20, help="baseline steps; its compute is everyone's budget")
+    parser.add_argument("--evals", type=int, default=5, help="held-out evals per run after step 0")
+    parser.add_argument("--only", nargs="*", default=list(STRATEGIES), help="strategies to run (baseline first)")
+    parser.add_argument("--out", default="runs/time_to_reward")
+    parser.add_argument("--smoke", action="store_true",
+                        help="2 baseline steps on 8 images a step, baseline and MixGRPO-Flash only (tests the script)")
+    args = parser.parse_args()
+    extra = SMOKE if args.smoke else []
+    if args.smoke:
+        args.only = ["mixgrpo_flash"]
+    budget_steps = 2 if args.smoke else args.budget_steps
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    names = ["dancegrpo"] + [n for n in args.only if n != "dancegrpo"]
+    cfgs = {n: load_config(ROOT / PRESET, [*STRATEGIES[n][0], *extra]) for n in names}
+    budget = sum(step_cost(cfgs["dancegrpo"], k) for k in range(budget_steps))
+    curves, rows_of = {}, {}
+    print(f"budget: {budget:.0f} forward-equivalents per image ({budget_steps} DanceGRPO steps)")
+    for n in names:
+        steps = budget_steps if n == "dancegrpo" else steps_within(cfgs[n], budget)
+        rows_of[n] = run(n, [*STRATEGIES[n][0], *extra], steps, max(1, math.ceil(steps / args.evals)), out)
+        curves[n] = curve(rows_of[n], cfgs[n])
+        wall = sum(r.get("step_time_s", 0.0) for r in rows_of[n])
+        print(f"{n:>14}: {steps:3d} steps, {step_cost(cfgs[n], 0):3d} fwd/image at step 0, train wall {wall:6.1f} s | "
+              f"held-out {curves[n][0][1]:.4f} -> {curves[n][-1][1]:.4f} | {STRATEGIES[n][1]}")
+    (out / "curves.json").write_text(json.dumps(curves, indent=1))
+    plot(curves, out / "time_to_reward.png")
+
+    base = curves["dancegrpo"]
+    gain = base[-1][1] - base[0][1]
+    need_base = compute_to_reach(base, gain) if gain > 0 else None
+    print(f"baseline held-out gain {gain:+.4f} at {base[-1][0]:.0f} fwd/image (reached at {need_base})")
+    best = 0.0
+    for n in names[1:]:
+        need = compute_to_reach(curves[n], gain) if need_base is not None else None
+        ratio = need_base / need if need else 0.0
+        best = max(best, ratio)
+        final = curves[n][-1][1] - curves[n][0][1]
+        print(f"{n:>14}: final gain {final:+.4f}; reaches the baseline's gain at "
+              f"{'never' if need is None else f'{need:.0f}'} fwd/image -> speed-up {ratio:.2f}x")
+    print(f"plot: {out / 'time_to_reward.png'}")
+    print(f"time_to_reward_speedup: {best:.3f}")
+
+
+if __name__ == "__main__":
+    main()
