@@ -4,9 +4,10 @@ import pytest
 import torch
 from diffusers import FluxPipeline
 
-from grpo.flux import decode, load_parts, make_conditioning, pack
-from grpo.rollout import SDEParams, sample, transition
-from grpo.sde import dynamic_sigmas
+from grpo.flux import decode, load_parts, make_conditioning, pack, velocity
+from grpo.rollout import SDEParams, sample, timestep, transition
+from grpo.sde import dynamic_sigmas, predicted_x0, sde_step, shifted_sigmas
+from grpo.solvers import dpm_solver_pp_sample, flash_sigmas
 from tests import TINY
 
 pytestmark = pytest.mark.skipif(not (TINY / "model_index.json").exists(), reason="tiny model not built")
@@ -66,3 +67,71 @@ def test_recomputed_log_prob_equals_rollout_log_prob_exactly(inputs):
     for j in range(STEPS - 1):
         out = transition(parts.transformer, cond, traj.latents, sigmas, j, sde)
         assert torch.equal(out.log_prob, traj.log_probs[:, j])
+
+
+def _gens(n: int) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(200 + i) for i in range(n)]
+
+
+@pytest.mark.parametrize("kind", ["flow", "cps"])
+def test_window_sdes_inside_and_euler_outside(inputs, kind):
+    """MixGRPO / Flow-GRPO-Fast: SDE steps only inside the window. Before it the trajectory is the ODE one; inside it
+    is the full-SDE one given the same x_start (the noise stream does not depend on the window); outside, the step
+    is the deterministic Euler step and records no log-prob. Every window step's log-prob recomputes exactly."""
+    parts, _, _, noise, cond = inputs
+    sigmas = shifted_sigmas(STEPS, 3.0)
+    sde, win = SDEParams(0.7, kind), range(2, 4)
+    traj = sample(parts.transformer, cond, pack(noise), sigmas, sde, _gens(3), window=win)
+    ode = sample(parts.transformer, cond, pack(noise), sigmas, SDEParams(0.0, kind))
+    full = sample(parts.transformer, cond, pack(noise), sigmas, sde, _gens(3))
+    assert torch.equal(traj.latents[:, : win.start + 1], ode.latents[:, : win.start + 1])
+    assert not torch.equal(traj.latents[:, win.stop], ode.latents[:, win.stop])
+    # Step 2 from the same x_2 with the same (3rd) noise draw as the full-SDE rollout's step 2:
+    redo = sde_step(traj.latents[:, 2], velocity(parts.transformer, traj.latents[:, 2],
+                                                 timestep(sigmas, 2, 3), cond), float(sigmas[2]), float(sigmas[3]),
+                    eta=0.7, kind=kind, noise=torch.stack([_noise_draw(200 + i, 2, noise.shape) for i in range(3)]),
+                    sigma_max=float(sigmas[1]))
+    assert torch.equal(redo.prev_sample, traj.latents[:, 3])
+    for i in range(STEPS):
+        if i in win:
+            out = transition(parts.transformer, cond, traj.latents, sigmas, i, sde)
+            assert torch.equal(out.log_prob, traj.log_probs[:, i])
+        else:
+            assert (traj.log_probs[:, i] == 0).all()
+            v = velocity(parts.transformer, traj.latents[:, i], timestep(sigmas, i, 3), cond)
+            assert torch.equal(traj.latents[:, i + 1], traj.latents[:, i] + (sigmas[i + 1] - sigmas[i]) * v)
+    assert traj.nfe == STEPS and full.nfe == STEPS
+
+
+def _noise_draw(seed: int, k: int, shape) -> torch.Tensor:
+    """The k-th (0-based) per-step noise a trajectory's generator draws (packed latent shape)."""
+    g = torch.Generator().manual_seed(seed)
+    packed = (shape[2] // 2 * shape[3] // 2, shape[1] * 4)
+    for _ in range(k):
+        torch.randn(packed, generator=g)
+    return torch.randn(packed, generator=g)
+
+
+def test_dpm2_tail_after_the_window_and_recorded_means(inputs):
+    """MixGRPO-Flash: after window [0, 2) the rollout runs DPM-Solver++(2M) on a compressed tail to sigma 0: the
+    stored trajectory ends at x_{L+1}, the nfe counts the tail, and x0 equals running the tail from x_{L+1} with the
+    window's last x0-prediction as history. keep_means records the SDE means the update recomputes."""
+    parts, _, _, noise, cond = inputs
+    sigmas = shifted_sigmas(STEPS, 3.0)
+    sde, win = SDEParams(0.7, "flow"), range(0, 2)
+    tail = flash_sigmas(sigmas, win[-1], 0.5, 3.0)[win[-1] + 1:]
+    traj = sample(parts.transformer, cond, pack(noise), sigmas, sde, _gens(3), window=win, tail=tail,
+                  keep_means=True)
+    assert traj.latents.shape[1] == win[-1] + 2 and traj.nfe == win[-1] + 1 + len(tail) - 1 < STEPS
+    assert float(tail[-1]) == 0.0 and float(tail[0]) == float(sigmas[win[-1] + 1])
+    x_last = traj.latents[:, win[-1]]
+    x0_prev = predicted_x0(x_last, velocity(parts.transformer, x_last, timestep(sigmas, win[-1], 3), cond),
+                           float(sigmas[win[-1]]))
+
+    def x0_of(x, k):
+        return predicted_x0(x, velocity(parts.transformer, x, timestep(tail, k, 3), cond), float(tail[k]))
+
+    expected = dpm_solver_pp_sample(traj.latents[:, -1], x0_of, tail, x0_prev=x0_prev, sigma_prev=float(sigmas[1]))
+    assert torch.equal(traj.x0, expected)
+    for j in win:
+        assert torch.equal(transition(parts.transformer, cond, traj.latents, sigmas, j, sde).mean, traj.means[:, j])
