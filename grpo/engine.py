@@ -73,7 +73,7 @@ def inference_module(engine, gather: bool) -> Iterator[torch.nn.Module]:
     With `gather`, ZeRO-3's weights are all-gathered once and its fetch hooks removed for the whole block (TRL's
     unwrap-for-generation), so N denoising steps x B micro-batches do not each re-gather every layer. Without it,
     every forward gathers and frees layer by layer (slower, but never a full copy per device: use it when the
-    planner, python -m grpo.tools.plan, says the gathered weights do not fit). The layer-wise path overlaps the next
+    planner, python -m tools.plan, says the gathered weights do not fit). The layer-wise path overlaps the next
     modules' all-gathers with compute as set in the DeepSpeed JSON: stage3_prefetch_bucket_size (elements fetched
     ahead, default 5e7), stage3_max_live_parameters (cap on gathered elements, 1e9) and stage3_max_reuse_distance
     (keep a module gathered if it is reused within that many elements, 1e9); larger values trade memory for
