@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from grpo import device as dev
 from grpo.compat import check_compatible
 from grpo.config import RecipeConfig, to_dict
 from grpo.errors import ConfigError
@@ -300,8 +301,6 @@ class RunState:
 
 
 def _device_rng():
-    from grpo import device as dev
-
     acc = dev.accelerator()
     if acc.device_name() == "cpu":  # the CPU accelerator's RNG is torch's CPU RNG, saved already
         return None, None

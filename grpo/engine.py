@@ -20,6 +20,7 @@ from peft import LoraConfig as PeftLoraConfig
 
 from grpo.config import LoraConfig
 from grpo.errors import ConfigError
+from grpo.export import write_transformer
 
 
 def precision(ds: dict) -> torch.dtype:
@@ -100,8 +101,6 @@ def lora_state_dict(engine) -> dict[str, torch.Tensor] | None:
 
 def save_full(engine, out_dir: str | Path) -> None:
     """A FluxTransformer2DModel folder (config + safetensors shards), gathered shard by shard (collective)."""
-    from grpo.export import write_transformer
-
     state = engine._zero3_consolidated_16bit_state_dict()  # rank 0 gets the tensors, others an empty dict
     if torch.distributed.get_rank() == 0:
         write_transformer(state, dict(engine.module.config), out_dir, next(iter(state.values())).dtype)
