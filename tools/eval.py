@@ -1,5 +1,6 @@
-"""Evaluate a checkpoint offline: the held-out prompts sampled (eta = 0, fixed noise) from the base model and from
-the checkpoint's weights, in one process without DeepSpeed.
+"""Evaluate a checkpoint offline: held-out prompts from the base model and from the checkpoint, scored by the rewards.
+
+The held-out prompts are sampled (eta = 0, fixed noise) in one process without DeepSpeed.
 
     python -m tools.eval CONFIG [checkpoint=PATH] [weights=auto|ema|model] [key=value ...]
 

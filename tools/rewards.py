@@ -1,4 +1,4 @@
-"""Command line: list the rewards, or score a folder of images with one, before spending a cluster on it.
+"""List the rewards, or score a folder of images with one, before spending a cluster on it.
 
     python -m tools.rewards --list
     python -m tools.rewards score --reward hpsv2 --images DIR --prompts prompts.txt [--option version=v2.0 ...]

@@ -16,7 +16,7 @@ from grpo.loss import RatioNorm, grpo_loss, ratio_norm_log_ratio
 from grpo.sde import SDE_KINDS, predicted_x0, sde_step, shifted_sigmas
 from grpo.solvers import dpm_solver_pp_sample, dpm_solver_pp_step, flash_sigmas, tail_points
 from grpo.windows import random_window, sde_mask, trainable_bound, window
-from tests.test_sde import _DtypeRecorder, _gen, _xv
+from tests.unit.test_sde import _DtypeRecorder, _gen, _xv
 
 # --- CPS (flow_grpo@54809b5 sd3_sde_with_logprob.py, sde_type == 'cps') ------------------------------------------
 
