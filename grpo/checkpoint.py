@@ -136,7 +136,7 @@ def verify(path: str | Path) -> str | None:
     """Verify a whole checkpoint: None if valid, else the first reason found.
 
     Collective when torch.distributed runs with several processes (every rank checks its share, then the verdicts
-    are gathered); a single process (grpo.export, grpo.eval) checks every file itself.
+    are gathered); a single process (tools.export, tools.eval) checks every file itself.
     """
     path = Path(path)
     rank, world = (dist.get_rank(), dist.get_world_size()) if _collective() else (0, 1)

@@ -141,7 +141,7 @@ class CheckpointConfig:
 @dataclass(kw_only=True)
 class EMAConfig:
     decay: float | None = setting(None, help="EMA of the trained weights, e.g. 0.99; null = off. Eval, the final "
-                                             "export and grpo.export use the EMA weights")
+                                             "export and tools.export use the EMA weights")
 
 
 @dataclass(kw_only=True)

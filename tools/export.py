@@ -85,7 +85,7 @@ def export(checkpoint: str | Path, out: str | Path, fmt: str | None = None, weig
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m grpo.export", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.export", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="output_dir/checkpoints/step_... or a run folder")
     parser.add_argument("out", help="folder to write (must be new or empty)")
     parser.add_argument("--format", choices=["lora", "full"], default=None,
