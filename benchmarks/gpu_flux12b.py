@@ -1,10 +1,10 @@
 """A FLUX.1-dev-sized LoRA GRPO iteration on one GPU: seconds per image, MFU against the measured matmul rate, and
-peak memory against the planner's prediction (grpo/tools/plan.py).
+peak memory against the planner's prediction (tools/plan.py).
 
     python benchmarks/gpu_flux12b.py                       # one GPU; sized for an H200 (141 GB), < 8 minutes
     python benchmarks/gpu_flux12b.py --smoke               # the tiny config on the CPU: tests the script only
 
-The transformer has FLUX.1-dev's config (11.9 B parameters, grpo/tools/flux_configs.json) with random bf16 weights,
+The transformer has FLUX.1-dev's config (11.9 B parameters, tools/flux_configs.json) with random bf16 weights,
 built directly on the GPU; it goes through the recipe's own path: LoRA (rank 128 on to_q/k/v/out, the flux1_dev
 preset), a ZeRO-3 engine on one process (ds_configs/zero3.json, bf16), activation checkpointing of every block. One
 iteration = an SDE rollout of --batch images over --steps steps at --resolution with weights gathered once
@@ -32,8 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks._common import ROOT, count_flops, matmul_flops, sync, transformer_config  # noqa: E402
+from tools._recipe import load_recipe  # noqa: E402
 
-SHIPPED = ROOT / "grpo" / "tools" / "flux_configs.json"
+SHIPPED = ROOT / "tools" / "flux_configs.json"
 
 
 def build_model(tcfg: dict, dtype: torch.dtype, device: torch.device):
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from grpo.loss import grpo_loss
     from grpo.rollout import SDEParams, sample, transition
     from grpo.sde import shifted_sigmas
-    from grpo.tools import plan as planner
+    from tools import plan as planner
     from deepspeed.accelerator import get_accelerator
 
     info = dev.init_distributed()
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = eng.precision(ds)
 
     t0 = time.perf_counter()
-    engine, _ = eng.build_policy(build_model(tcfg, dtype, device), cfg, ds)
+    engine, _ = load_recipe().build_policy(build_model(tcfg, dtype, device), cfg, ds)
     setup_s = time.perf_counter() - t0
     n_params = sum(p.ds_numel for p in engine.module.parameters())
     n_train = sum(p.ds_numel for p in engine.module.parameters() if p.requires_grad)

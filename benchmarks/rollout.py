@@ -32,6 +32,7 @@ import torch  # noqa: E402
 
 from benchmarks._common import (ROOT, TINY, add_workload_args, build_transformer, smoke_workload, sync,  # noqa: E402
                                 transformer_config)
+from tools._recipe import load_recipe  # noqa: E402
 from tools.launch import run_torchrun  # noqa: E402
 
 
@@ -150,7 +151,7 @@ def worker_zero3(args, out: Path) -> None:
                       ["batch.prompts_per_step=2", f"sampling.group_size={args.batch}",
                        f"batch.micro_batch_size={args.batch}", "deepspeed.config=ds_configs/zero3_fp32.json"])
     ds = load_ds_config(cfg.deepspeed.config, cfg, derive_layout(cfg, info.world_size))
-    engine, _ = eng.build_policy(build_transformer(tcfg), cfg, ds)
+    engine, _ = load_recipe().build_policy(build_transformer(tcfg), cfg, ds)
     init, embeds, pooled, latent = _inputs(tcfg, args.batch, args.resolution, args.text_tokens, info.device,
                                            seed=info.rank)
     cond = make_conditioning(embeds, pooled, latent, 3.5, tcfg["guidance_embeds"], info.device, torch.float32)

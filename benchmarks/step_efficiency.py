@@ -32,6 +32,7 @@ import torch  # noqa: E402
 
 from benchmarks._common import (ROOT, add_workload_args, build_transformer, count_flops, matmul_flops,  # noqa: E402
                                 smoke_workload, sync, transformer_config)
+from tools._recipe import load_recipe  # noqa: E402
 
 
 class Iteration:
@@ -88,7 +89,6 @@ def plain(model: torch.nn.Module, max_norm: float = 1.0):
 
 def deepspeed_engine(tcfg: dict, it: Iteration, steps: int):
     from grpo import device as dev
-    from grpo import engine as eng
     from grpo.config import load_config
     from grpo.layout import derive_layout
     from grpo.inputs import load_ds_config
@@ -100,7 +100,7 @@ def deepspeed_engine(tcfg: dict, it: Iteration, steps: int):
                        "grpo.timestep_fraction=0.6", "optim.lr=1e-5", "deepspeed.config=ds_configs/zero3_fp32.json"])
     layout = derive_layout(cfg, 1)
     assert layout.grad_accum_steps == it.k, (layout.grad_accum_steps, it.k)
-    engine, _ = eng.build_policy(build_transformer(tcfg), cfg, load_ds_config(cfg.deepspeed.config, cfg, layout))
+    engine, _ = load_recipe().build_policy(build_transformer(tcfg), cfg, load_ds_config(cfg.deepspeed.config, cfg, layout))
     return engine
 
 

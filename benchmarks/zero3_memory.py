@@ -31,6 +31,7 @@ import torch  # noqa: E402
 
 from benchmarks._common import (ROOT, engine_state_bytes, hwm, live_tensor_bytes, mb, reset_peak_rss, rss,  # noqa: E402
                                 transformer_config, write_model_folder)
+from tools._recipe import load_recipe  # noqa: E402
 from tools.launch import run_torchrun  # noqa: E402
 
 FULL, LORA = "recipes/configs/tiny/grpo_full.yaml", "recipes/configs/tiny/grpo_lora.yaml"
@@ -70,7 +71,7 @@ def worker_states(preset: str, out: Path) -> None:
     from benchmarks._common import build_transformer
     from grpo import device as dev
     from grpo import engine as eng
-    from grpo.tools.plan import transformer_inputs
+    from tools.plan import transformer_inputs
 
     info = dev.init_distributed()
     tcfg = transformer_config(preset)
@@ -80,7 +81,7 @@ def worker_states(preset: str, out: Path) -> None:
         ds = filled_ds(cfg, info.world_size)
         gc.collect()
         before = live_tensor_bytes()
-        engine, _ = eng.build_policy(build_transformer(tcfg), cfg, ds)
+        engine, _ = load_recipe().build_policy(build_transformer(tcfg), cfg, ds)
         reference = None
         if kl > 0 and cfg.lora is None:
             reference = eng.build_reference(build_transformer(tcfg), ds)
@@ -146,7 +147,7 @@ def worker_load_check(folders: list[Path], out: Path) -> None:
     from grpo import engine as eng
     from grpo.flux import load_transformer
     from grpo.loading import load_transformer_zero3
-    from grpo.tools.plan import transformer_inputs
+    from tools.plan import transformer_inputs
 
     info = dev.init_distributed()
     report = {}
@@ -164,7 +165,7 @@ def worker_load_check(folders: list[Path], out: Path) -> None:
         mismatched = [n for n, t in expected.state_dict().items() if not torch.equal(got[n], t)]
         dtypes = sorted({str(t.dtype) for t in got.values()})
         del got
-        engine, _ = eng.build_policy(model, cfg, ds)  # adds the LoRA adapters
+        engine, _ = load_recipe().build_policy(model, cfg, ds)  # adds the LoRA adapters
         tcfg = json.loads((folder / "transformer" / "config.json").read_text())
         inputs = transformer_inputs(tcfg, 2, 16, 8, dtype, device=info.device)
         out_engine = engine(**inputs)[0]
@@ -198,7 +199,7 @@ def worker_activations(preset: str, batch: int, resolution: int, lora: bool, che
 
     from benchmarks._common import build_transformer
     from grpo.flux import enable_checkpointing
-    from grpo.tools.plan import transformer_inputs
+    from tools.plan import transformer_inputs
 
     torch.set_num_threads(1)
     tcfg = transformer_config(preset)
@@ -229,7 +230,7 @@ def worker_activations(preset: str, batch: int, resolution: int, lora: bool, che
 
 
 def predicted_activations(preset: str, batch: int, resolution: int, lora: bool, checkpointing) -> tuple[int, int]:
-    from grpo.tools import plan as P
+    from tools import plan as P
 
     spec = recipe_config(LORA, 0.0).lora if lora else None
     t = P.transformer_trace(transformer_config(preset), torch.float32, spec, batch, (resolution // 8) ** 2,
@@ -256,7 +257,7 @@ def measure_activations(preset: str, batch: int, resolution: int, lora: bool, ch
 # ------------------------------------------------------------------------------------------------------- driver
 def predicted_states(preset: str, world: int) -> dict[str, dict[str, int]]:
     """The planner's model-state and reference bytes for the same runs."""
-    from grpo.tools import plan as P
+    from tools import plan as P
 
     tcfg = transformer_config(preset)
     ds = json.loads((ROOT / DS_FP32).read_text())

@@ -51,7 +51,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from grpo.config import RecipeConfig, is_path, resume_free, to_dict
+from grpo import device as dev
+from grpo.compat import check_compatible
+from grpo.config import RecipeConfig, to_dict
 from grpo.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -134,7 +136,7 @@ def verify(path: str | Path) -> str | None:
     """Verify a whole checkpoint: None if valid, else the first reason found.
 
     Collective when torch.distributed runs with several processes (every rank checks its share, then the verdicts
-    are gathered); a single process (grpo.export, grpo.eval) checks every file itself.
+    are gathered); a single process (tools.export, tools.eval) checks every file itself.
     """
     path = Path(path)
     rank, world = (dist.get_rank(), dist.get_world_size()) if _collective() else (0, 1)
@@ -148,54 +150,6 @@ def verify(path: str | Path) -> str | None:
         dist.all_gather_object(reasons, reason)
         reason = next((r for r in reasons if r is not None), None)
     return reason
-
-
-# --------------------------------------------------------------------------------------------- compatibility
-
-
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def _same(key: str, x: Any, y: Any) -> bool:
-    if x == y:
-        return True
-    # A file or folder spelled differently (relative vs absolute) is not a change.
-    if is_path(key) and isinstance(x, str) and isinstance(y, str) and Path(x).exists() and Path(y).exists():
-        return Path(x).resolve() == Path(y).resolve()
-    return False
-
-
-def config_differences(saved: dict, current: dict) -> list[str]:
-    """`key: saved -> current` for every setting that shapes training and differs (the schema says which settings
-    may change on resume: grpo.config.resume_free)."""
-    a, b = _flatten(saved), _flatten(current)
-    keys = sorted(k for k in set(a) | set(b) if not resume_free(k) and not _same(k, a.get(k, "<unset>"),
-                                                                            b.get(k, "<unset>")))
-    return [f"{k}={a.get(k, '<unset>')!r} in the checkpoint, {b.get(k, '<unset>')!r} now" for k in keys]
-
-
-def check_compatible(path: Path, meta: dict, cfg: RecipeConfig, world_size: int) -> None:
-    """Refuse (ConfigError) a checkpoint of another preset or another world size."""
-    if meta["world_size"] != world_size:
-        raise ConfigError(
-            f"checkpoint.resume: {path} was written by {meta['world_size']} processes, this run has {world_size}; "
-            f"relaunch on {meta['world_size']} processes (resharding a ZeRO-3 checkpoint is not supported)"
-        )
-    diff = config_differences(meta["config"], to_dict(cfg))
-    if diff:
-        more = f" (and {len(diff) - 1} more)" if len(diff) > 1 else ""
-        raise ConfigError(
-            f"checkpoint.resume: {path} belongs to another preset: {diff[0]}{more}; resume with the checkpoint's "
-            "settings (its config is in meta.json) or start a new output_dir"
-        )
 
 
 # ------------------------------------------------------------------------------------------------ resolution
@@ -347,8 +301,6 @@ class RunState:
 
 
 def _device_rng():
-    from grpo import device as dev
-
     acc = dev.accelerator()
     if acc.device_name() == "cpu":  # the CPU accelerator's RNG is torch's CPU RNG, saved already
         return None, None

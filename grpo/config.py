@@ -6,7 +6,7 @@ model is loaded, and every error is one line naming the setting and the fix.
 
 The schema is the single source of truth: each field's help text, whether it may change when a run is resumed,
 and whether it names a file (grpo/schema.py's `setting`). Only switches that are off have defaults; every tuning
-value is required, so a preset shows everything it uses. `python -m grpo.inputs --help` lists every setting.
+value is required, so a preset shows everything it uses. `python -m tools.check --help` lists every setting.
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ class CheckpointConfig:
 @dataclass(kw_only=True)
 class EMAConfig:
     decay: float | None = setting(None, help="EMA of the trained weights, e.g. 0.99; null = off. Eval, the final "
-                                             "export and grpo.export use the EMA weights")
+                                             "export and tools.export use the EMA weights")
 
 
 @dataclass(kw_only=True)

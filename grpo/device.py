@@ -28,7 +28,6 @@ import os
 import random
 import socket
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -56,7 +55,6 @@ __all__ = [
     "check_dtype_supported",
     "device_for_local_rank",
     "free_port",
-    "emulate_device_on_cpu",
     "import_torch_npu",
     "init_distributed",
     "is_npu",
@@ -69,8 +67,9 @@ __all__ = [
 # Accepted spellings of the three compute dtypes; the config uses the short names.
 _DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-# The device of "accelerator" tensors on the CPU accelerator. grpo.tools.npu_audit swaps in torch.device("cpu", 0)
-# (same memory and kernels) so that its dispatch mode can tell device tensors from host ones (see emulate_device_on_cpu).
+# The device of "accelerator" tensors on the CPU accelerator. tools.npu_audit swaps in torch.device("cpu", 0)
+# (same memory and kernels) so that its dispatch mode can tell device tensors from host ones
+# (tools/npu_audit.py: emulate_device_on_cpu).
 _cpu_accelerator_device = torch.device("cpu")
 
 # The attention backends the device layer knows something about; any other name diffusers knows is passed through.
@@ -184,25 +183,6 @@ def device_for_local_rank(local_rank: int) -> torch.device:
     return torch.device(acc.device_name(local_rank))
 
 
-@contextlib.contextmanager
-def emulate_device_on_cpu(index: int = 0) -> Iterator[torch.device]:
-    """On the CPU accelerator, gives ranks the device ``cpu:<index>`` instead of ``cpu`` while the context is open.
-
-    For grpo.tools.npu_audit only: ``cpu:0`` tensors are ordinary CPU tensors, but factory calls and ``.to()`` moves
-    that name it carry the index into the dispatcher, so an audit can tell "would be on the NPU" (``cpu:0``) from
-    "stays on the host" (``cpu``). DistInfo objects made inside the context keep the indexed device.
-
-    Yields:
-        The emulated accelerator device.
-    """
-    global _cpu_accelerator_device
-    previous, _cpu_accelerator_device = _cpu_accelerator_device, torch.device("cpu", index)
-    try:
-        yield _cpu_accelerator_device
-    finally:
-        _cpu_accelerator_device = previous
-
-
 @dataclass(frozen=True)
 class DistInfo:
     """Where this process sits in the job.
@@ -220,11 +200,6 @@ class DistInfo:
     local_rank: int
     device: torch.device
     backend: str
-
-    @property
-    def is_main(self) -> bool:
-        """True on global rank 0."""
-        return self.rank == 0
 
 
 def free_port() -> int:

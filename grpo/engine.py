@@ -20,6 +20,7 @@ from peft import LoraConfig as PeftLoraConfig
 
 from grpo.config import LoraConfig
 from grpo.errors import ConfigError
+from grpo.export import write_transformer
 
 
 def precision(ds: dict) -> torch.dtype:
@@ -73,7 +74,7 @@ def inference_module(engine, gather: bool) -> Iterator[torch.nn.Module]:
     With `gather`, ZeRO-3's weights are all-gathered once and its fetch hooks removed for the whole block (TRL's
     unwrap-for-generation), so N denoising steps x B micro-batches do not each re-gather every layer. Without it,
     every forward gathers and frees layer by layer (slower, but never a full copy per device: use it when the
-    planner, python -m grpo.tools.plan, says the gathered weights do not fit). The layer-wise path overlaps the next
+    planner, python -m tools.plan, says the gathered weights do not fit). The layer-wise path overlaps the next
     modules' all-gathers with compute as set in the DeepSpeed JSON: stage3_prefetch_bucket_size (elements fetched
     ahead, default 5e7), stage3_max_live_parameters (cap on gathered elements, 1e9) and stage3_max_reuse_distance
     (keep a module gathered if it is reused within that many elements, 1e9); larger values trade memory for
@@ -100,8 +101,6 @@ def lora_state_dict(engine) -> dict[str, torch.Tensor] | None:
 
 def save_full(engine, out_dir: str | Path) -> None:
     """A FluxTransformer2DModel folder (config + safetensors shards), gathered shard by shard (collective)."""
-    from grpo.export import write_transformer
-
     state = engine._zero3_consolidated_16bit_state_dict()  # rank 0 gets the tensors, others an empty dict
     if torch.distributed.get_rank() == 0:
         write_transformer(state, dict(engine.module.config), out_dir, next(iter(state.values())).dtype)

@@ -1,27 +1,18 @@
-"""Export a training checkpoint to plain diffusers weights, offline (one process, no DeepSpeed launch).
+"""Reading a checkpoint's trained weights back, and writing diffusers weights.
 
-    python -m grpo.export CHECKPOINT OUT [--format lora|full] [--weights auto|ema|model] [--dtype fp32|bf16|fp16]
-
-CHECKPOINT is a checkpoint folder (output_dir/checkpoints/step_...) or a run folder (its newest valid checkpoint).
-The fp32 weights come from DeepSpeed's ``zero_to_fp32`` (the optimizer's master shards of every rank), overlaid with
-the EMA weights when the checkpoint has them (``--weights auto``, the default).
-
-* LoRA run, ``--format lora`` (default): a diffusers LoRA file for ``FluxPipeline.load_lora_weights(OUT)``, with the
-  adapter's rank and alpha stored in the safetensors metadata (without them diffusers would assume alpha = rank).
-* LoRA run, ``--format full``: the adapter fused into the base transformer (model.path of the run's config).
-* Full fine-tune (default ``--format full``): a folder for ``FluxTransformer2DModel.from_pretrained(OUT)``
-  (config.json + safetensors shards).
+* :func:`trained_weights`: the fp32 trainable weights of a checkpoint (DeepSpeed's ``zero_to_fp32`` of the optimizer's
+  master shards, overlaid with the EMA weights when the checkpoint has them); :func:`apply_weights` puts them into a
+  plain transformer. For one process without DeepSpeed: ``python -m tools.export`` and ``python -m tools.eval``.
+* :func:`write_lora` / :func:`write_transformer`: a diffusers LoRA file, or a FluxTransformer2DModel folder; the
+  recipe's final export writes with them.
 
 Everything written is safetensors. DeepSpeed's reader unpickles its own ``.pt`` files (``weights_only=False``), so
-only export checkpoints you trust; the checkpoint's sha256 list is verified first.
+only read checkpoints you trust.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
-import sys
 from pathlib import Path
 
 import torch
@@ -29,17 +20,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from grpo import checkpoint as ckpt
-from grpo.checkpoint import find_checkpoint  # noqa: F401 -- also reached as grpo.export.find_checkpoint (grpo.eval)
-from grpo.errors import ConfigError, run_command
-
-log = logging.getLogger(__name__)
-
-ADAPTER = ".default"  # PEFT's adapter name inside the training module's parameter names
+from grpo.ema import assemble
+from grpo.errors import ConfigError
 
 
 def _ema_weights(path: Path, meta: dict) -> dict[str, torch.Tensor]:
-    from grpo.ema import assemble
-
     files = [path / ckpt.rank_file(r) for r in range(meta["world_size"])]
     with safe_open(str(files[0]), framework="pt") as f:
         shapes = json.loads(f.metadata()["ema_shapes"])
@@ -70,11 +55,6 @@ def trained_weights(path: Path, weights: str = "auto") -> tuple[dict[str, torch.
         state = {k: v for k, v in state.items() if "lora_" in k}
     meta["weights"] = "ema" if use_ema else "model"
     return state, meta
-
-
-def peft_lora_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Training names (`...to_q.lora_A.default.weight`) -> PEFT/diffusers names (`...to_q.lora_A.weight`)."""
-    return {k.replace(ADAPTER, ""): v for k, v in state.items() if "lora_" in k}
 
 
 def lora_metadata(lora: dict) -> dict:
@@ -136,69 +116,3 @@ def apply_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], meta: 
         if result.missing_keys or result.unexpected_keys:
             raise ValueError(f"checkpoint does not fit the model: missing {result.missing_keys[:3]}, "
                              f"unexpected {result.unexpected_keys[:3]}")
-
-
-def fused_state(state: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
-    """Base transformer (the run's model.path) with the adapter merged: W + (alpha / r) * B @ A."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    from grpo.flux import load_transformer
-    from grpo.inputs import resolve_model_path
-
-    cfg = meta["config"]["model"]
-    model = load_transformer(resolve_model_path(cfg["path"], cfg.get("revision")), torch.float32)
-    apply_weights(model, state, meta)
-    for module in model.modules():
-        if isinstance(module, BaseTunerLayer):
-            module.merge()
-    out = {}
-    for k, v in model.state_dict().items():
-        if "lora_" in k:
-            continue
-        out[k.replace(".base_layer", "")] = v.detach().clone()
-    return out
-
-
-def export(checkpoint: str | Path, out: str | Path, fmt: str | None = None, weights: str = "auto",
-           dtype: str = "fp32") -> Path:
-    """Write `checkpoint` as a diffusers LoRA (`fmt="lora"`) or transformer folder (`fmt="full"`); returns OUT."""
-    from grpo.device import resolve_dtype
-
-    path = find_checkpoint(Path(checkpoint))
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"OUT: {out} is not empty; export into a new folder")
-    if weights not in ("auto", "ema", "model"):
-        raise ConfigError(f"--weights: {weights!r}; use auto, ema or model")
-    torch_dtype = resolve_dtype(dtype)
-    state, meta = trained_weights(path, weights)
-    fmt = fmt or ("lora" if meta["lora"] else "full")
-    if fmt == "lora":
-        if not meta["lora"]:
-            raise ConfigError(f"--format: lora, but {path} is a full fine-tune; use --format full")
-        write_lora({k: v.to(torch_dtype) for k, v in peft_lora_state(state).items()}, meta["config"]["lora"], out)
-    elif fmt == "full":
-        full = fused_state(state, meta) if meta["lora"] else state
-        write_transformer(full, meta["transformer_config"], out, torch_dtype)
-    else:
-        raise ConfigError(f"--format: {fmt!r}; use lora or full")
-    log.info("exported %s (%s weights, step %d) as %s to %s", path, meta["weights"], meta["step"], fmt, out)
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m grpo.export", description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", help="output_dir/checkpoints/step_... or a run folder")
-    parser.add_argument("out", help="folder to write (must be new or empty)")
-    parser.add_argument("--format", choices=["lora", "full"], default=None,
-                        help="lora (LoRA runs' default) or full (a FluxTransformer2DModel folder)")
-    parser.add_argument("--weights", choices=["auto", "ema", "model"], default="auto",
-                        help="auto: EMA weights when the checkpoint has them")
-    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    return run_command(lambda: str(export(args.checkpoint, args.out, args.format, args.weights, args.dtype)))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

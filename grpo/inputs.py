@@ -2,24 +2,21 @@
 
 Batch arithmetic for the world size, the model folder, the DeepSpeed JSON, prompt files, rewards and output_dir, each
 failing with one line that names the setting and the fix. It imports neither diffusers nor DeepSpeed, so the
-launchers run it in a few seconds before torchrun, which would turn the recipe's exit code 2 into 1:
-
-    python -m grpo.inputs --world-size N CONFIG [key=value ...]
+launchers run it (``python -m tools.check``) in a few seconds before torchrun, which would turn the recipe's exit
+code 2 into 1.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from grpo import checkpoint, metrics, prompts
-from grpo.config import RecipeConfig, load_config
+from grpo.config import RecipeConfig
 from grpo.layout import Layout, derive_layout
-from grpo.errors import ConfigError, run_command
+from grpo.errors import ConfigError
 from grpo.rewards import check_rewards
 
 
@@ -109,37 +106,3 @@ def check_inputs(cfg: RecipeConfig, world_size: int) -> Inputs:
     if cfg.checkpoint.resume is None:
         checkpoint.resume_point(cfg, world_size)
     return Inputs(layout, model_path, ds_config)
-
-
-class _SettingsHelpParser(argparse.ArgumentParser):
-    """--help also lists every setting and reward option, from the schema (built only when asked: it imports the
-    reward modules)."""
-
-    def format_help(self) -> str:
-        from grpo.config import describe_settings
-        from grpo.rewards.registry import describe_rewards
-
-        rewards = ["Reward options (rewards.NAME.OPTION; NAME@label to use a reward twice):",
-                   *("  " + line for line in describe_rewards())]
-        return "\n".join([super().format_help(), describe_settings(), "", *rewards, ""])
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = _SettingsHelpParser(prog="python -m grpo.inputs", description="Run the recipe's start-up checks for a preset; exit 2 on bad input.")
-    parser.add_argument("--world-size", type=int, required=True, help="processes the run will have, over all nodes")
-    parser.add_argument("config", help="YAML preset, e.g. recipes/configs/tiny/grpo_lora.yaml")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. max_steps=10")
-    args = parser.parse_args(argv)
-    if args.world_size < 1:
-        print(f"error: --world-size: {args.world_size}; a run needs at least 1 process (launch/run.sh: set NPROC, "
-              "or make the devices visible)", file=sys.stderr)
-        return 2
-
-    def body() -> None:
-        check_inputs(load_config(args.config, args.overrides), args.world_size)
-
-    return run_command(body)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

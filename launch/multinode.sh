@@ -50,6 +50,6 @@ else
 fi
 # A bad setting fails here, in one process that loads no model: the launchers would turn the recipe's exit code 2
 # into 1, and only after every rank had paid for its imports.
-python -m grpo.inputs --world-size "$world" "$config" "$@"
+python -m tools.check --world-size "$world" "$config" "$@"
 echo "[launch] ${cmd[*]}" >&2
 exec "${cmd[@]}"

@@ -41,7 +41,7 @@ esac
 nproc_per_node=${NPROC:-$count}
 # A bad setting fails here, in one process that loads no model: under torchrun the recipe's exit code 2 would come
 # back as 1, and only after every rank had paid for its imports.
-python -m grpo.inputs --world-size "$nproc_per_node" "$config" "$@"
+python -m tools.check --world-size "$nproc_per_node" "$config" "$@"
 
 cmd=(python -m torch.distributed.run --nnodes 1 --nproc_per_node "$nproc_per_node"
      --master_addr 127.0.0.1 --master_port "${MASTER_PORT:-29500}"

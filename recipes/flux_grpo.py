@@ -20,7 +20,7 @@ Features and the settings that control them (see grpo/config.py for every key):
                                     updates_per_step},
                                     sampling.group_size (global); per-rank values derived from the world size
     checkpoints and resume ........ checkpoint.{every, keep, resume: null|auto|PATH} (grpo/checkpoint.py);
-                                    python -m grpo.export CHECKPOINT OUT; python -m grpo.eval CONFIG checkpoint=...
+                                    python -m tools.export CHECKPOINT OUT; python -m tools.eval CONFIG checkpoint=...
     EMA of the trained weights .... ema.decay (null = off); used by eval and exports
     faults ........................ faults.{max_consecutive_skips, comm_timeout_s}; SIGTERM/SIGINT: finish the
                                     step, save, exit 0 (grpo/health.py)
@@ -386,7 +386,7 @@ class FluxGRPORecipe:
     def evaluate(self, step: int) -> float | None:
         """ODE (eta = 0) samples of the held-out prompts with fixed noise, scored; logs eval/reward_mean.
 
-        Shares its sampling and scoring with `python -m grpo.eval` (grpo/eval.py); uses the EMA weights when on.
+        Shares its sampling and scoring with `python -m tools.eval` (grpo/eval.py); uses the EMA weights when on.
         """
         if self.eval_prompts is None:
             return None

@@ -43,7 +43,7 @@ class Reward:
 
     Class attributes:
         OPTIONS: the dataclass of options the preset may set (grpo/rewards/options.py; validated by check_rewards).
-        DESCRIPTION: one line for `python -m grpo.rewards --list`.
+        DESCRIPTION: one line for `python -m tools.rewards --list`.
     """
 
     OPTIONS: ClassVar[type] = CommonOptions

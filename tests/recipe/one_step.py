@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))
 
 from grpo.config import load_config  # noqa: E402
 from grpo.flux import load_transformer, velocity  # noqa: E402
-from grpo.tools._recipe import load_recipe  # noqa: E402
+from tools._recipe import load_recipe  # noqa: E402
 
 
 def gathered_trainable(engine) -> dict[str, torch.Tensor]:

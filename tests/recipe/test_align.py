@@ -1,4 +1,4 @@
-"""grpo.tools.align: error arithmetic, block recording, dumps and the table; then real sides of the tiny recipe.
+"""tools.align: error arithmetic, block recording, dumps and the table; then real sides of the tiny recipe.
 
 The last three tests run one GRPO step of the tiny preset per side on the CPU (each side in its own process, one side
 on 2 processes through torchrun): fp32 against fp32 is exactly zero, 1 against 2 processes stays within 1e-5, and
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from grpo.errors import ConfigError
-from grpo.tools import align
-from grpo.tools.align_record import BlockRecorder, block_key, parse_record_steps, recorded_modules
-from grpo.tools.align_report import AlignError, Err, compare, format_table, load_dump, save_dump
+from tools import align
+from tools.align_record import BlockRecorder, block_key, parse_record_steps, recorded_modules
+from tools.align_report import AlignError, Err, compare, format_table, load_dump, save_dump
 from tests import ROOT, TINY
 
 
@@ -224,7 +224,7 @@ def test_fp32_against_bf16_is_nonzero_and_finite(sides, capsys):
 
 
 def test_model_fingerprint_flags_different_weights(tmp_path: Path):
-    from grpo.tools.align_record import model_fingerprint
+    from tools.align_record import model_fingerprint
 
     (tmp_path / "transformer").mkdir()
     weights = tmp_path / "transformer" / "diffusion_pytorch_model.safetensors"

@@ -2,11 +2,11 @@
 
 Two short 2-process runs (a LoRA run with EMA, a full fine-tune without) write checkpoints. Then, in this process and
 without DeepSpeed's launcher:
-* grpo.eval samples the held-out prompts from the base model and from the checkpoint; its scores equal the rewards
+* tools.eval samples the held-out prompts from the base model and from the checkpoint; its scores equal the rewards
   the recipe logged for the same weights (eval/reward_mean at step 0 and at the last step);
-* grpo.export writes a diffusers LoRA file, a fused transformer folder and a full transformer folder; FluxPipeline
+* tools.export writes a diffusers LoRA file, a fused transformer folder and a full transformer folder; FluxPipeline
   with those weights (load_lora_weights / FluxTransformer2DModel.from_pretrained), fed the same prompts and starting
-  noise, reproduces grpo.eval's images within 1e-5; so does the recipe's own final export.
+  noise, reproduces tools.eval's images within 1e-5; so does the recipe's own final export.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import torch
 from diffusers import FluxPipeline, FluxTransformer2DModel
 
 from grpo import checkpoint as ckpt
-from grpo import export
 from grpo.config import load_config
 from grpo.data import EVAL_NOISE, initial_noise
-from grpo.eval import evaluate_checkpoint
-from grpo.eval import main as eval_main
 from grpo.flux import pack
 from tests import ROOT, TINY
 from tests.recipe.launch import Run, max_abs_diff, tiny_run, torchrun, trained_weights
+from tools import export
+from tools.eval import evaluate_checkpoint
+from tools.eval import main as eval_main
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +76,7 @@ def pipe(model):
 
 
 def _diffusers_images(pipe: FluxPipeline, seed: int) -> torch.Tensor:
-    """FluxPipeline's own sampling (Euler = our eta = 0) from grpo.eval's starting noise of every eval image."""
+    """FluxPipeline's own sampling (Euler = our eta = 0) from tools.eval's starting noise of every eval image."""
     size = 2 * (64 // (pipe.vae_scale_factor * 2))
     channels = pipe.transformer.config.in_channels // 4
     keys = range(len(PROMPTS) * SEEDS)

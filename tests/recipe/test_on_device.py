@@ -154,14 +154,14 @@ def test_tiny_recipe_runs(kind: str, tmp_path: Path):
 
 
 def _align(args: list[str], tmp_path: Path, timeout: float = 1800) -> str:
-    """Runs `python -m grpo.tools.align ARGS` (each side picks its device with device=...); returns its table."""
+    """Runs `python -m tools.align ARGS` (each side picks its device with device=...); returns its table."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "DS_ACCELERATOR")}
     env.update(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
     tiny = ["recipes/configs/tiny/grpo_lora.yaml", "batch.prompts_per_step=2", "sampling.group_size=2",
             "batch.micro_batch_size=2", "sampling.num_steps=3", "data.eval_prompts=null", "logging.tensorboard=false",
             f"data.cache_dir={tmp_path}/cache"]
-    proc = subprocess.run([sys.executable, "-m", "grpo.tools.align", *(tiny if args[0] != "--compare" else []),
+    proc = subprocess.run([sys.executable, "-m", "tools.align", *(tiny if args[0] != "--compare" else []),
                            *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     print(proc.stdout)  # the table: pytest -s shows it

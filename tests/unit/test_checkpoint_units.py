@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from grpo import checkpoint as ckpt
+from grpo import compat
 from grpo import health
 from grpo.config import load_config, to_dict
 from grpo.ema import PREFIX, assemble
@@ -68,14 +69,14 @@ def test_resume_refuses_other_presets_but_not_run_control_settings(tmp_path):
     base = to_dict(load_config(LORA))
     same = to_dict(load_config(LORA, ["max_steps=99", "output_dir=/x", "checkpoint.every=3", "logging.eval_every=1",
                                       "faults.comm_timeout_s=60", "ema.decay=0.9", "data.cache_dir=/c"]))
-    assert ckpt.config_differences(base, same) == []
+    assert compat.config_differences(base, same) == []
     other = to_dict(load_config(LORA, ["optim.lr=1e-2", "sampling.num_steps=7"]))
-    diff = ckpt.config_differences(base, other)
+    diff = compat.config_differences(base, other)
     assert [d.split("=")[0] for d in diff] == ["optim.lr", "sampling.num_steps"]
     relative = to_dict(load_config(LORA, ["model.path=assets/tiny-flux"]))
     absolute = to_dict(load_config(LORA, [f"model.path={ROOT / 'assets' / 'tiny-flux'}"]))
     if (ROOT / "assets" / "tiny-flux").exists() and Path("assets/tiny-flux").exists():
-        assert ckpt.config_differences(relative, absolute) == []
+        assert compat.config_differences(relative, absolute) == []
 
 
 def test_rng_state_round_trip():

@@ -226,7 +226,7 @@ def test_help_lists_every_setting_with_its_help(capsys):
     import dataclasses
 
     from grpo.config import RecipeConfig
-    from grpo.inputs import main
+    from tools.check import main
 
     with pytest.raises(SystemExit):
         main(["--help"])

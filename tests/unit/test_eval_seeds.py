@@ -10,8 +10,8 @@ import torch
 
 from grpo.config import load_config
 from grpo.errors import ConfigError
-from grpo.eval import evaluate_checkpoint
 from tests import ROOT, TINY
+from tools.eval import evaluate_checkpoint
 
 PROMPTS = ["a red circle on a cyan background", "a blue square on a yellow background", "a green triangle on a "
            "magenta background"]

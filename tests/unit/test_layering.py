@@ -10,8 +10,6 @@ from tests import ROOT
 
 GRPO = ROOT / "grpo"
 EDGE = ("tools", "recipes", "benchmarks", "tests")
-# The command lines still under grpo/tools/ (they move to tools/ later) may start jobs through tools.launch.
-CLI_MAY_IMPORT = {"tools.launch"}
 
 
 def module_name(path: Path) -> str:
@@ -92,8 +90,6 @@ def test_grpo_imports_no_edge_package():
         for node in imports(path):
             for target in imported(node, known):
                 if target.split(".")[0] not in EDGE:
-                    continue
-                if name.startswith("grpo.tools.") and target in CLI_MAY_IMPORT:
                     continue
                 bad.append(f"{name} imports {target} (line {node.lineno})")
     assert not bad, "\n".join(bad)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from grpo.errors import ConfigError
-from grpo.tools import npu_audit
-from grpo.tools.npu_audit import Auditor
+from tools import npu_audit
+from tools.npu_audit import Auditor
 from tests import tiny_flux_transformer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,10 +128,10 @@ def test_syncs_reported_in_rollout_only_and_on_device_tensors_only():
 
 
 def test_emulated_accelerator_device_tracks_factories_and_moves():
-    from grpo.device import accelerator, device_for_local_rank, emulate_device_on_cpu
+    from grpo.device import accelerator, device_for_local_rank
 
     on_cpu = accelerator().device_name() == "cpu"
-    with emulate_device_on_cpu() as dev:
+    with npu_audit.emulate_device_on_cpu() as dev:
         assert dev == torch.device("cpu", 0)
         if on_cpu:
             assert device_for_local_rank(0) == dev
@@ -231,7 +231,7 @@ TINY = REPO / "assets" / "tiny-flux" / "model_index.json"
 @pytest.mark.parametrize("preset", ["grpo_lora", "grpo_full"])
 def test_tiny_presets_are_clean(preset: str, tmp_path: Path):
     proc = subprocess.run(
-        [sys.executable, "-m", "grpo.tools.npu_audit", f"recipes/configs/tiny/{preset}.yaml",
+        [sys.executable, "-m", "tools.npu_audit", f"recipes/configs/tiny/{preset}.yaml",
          f"output_dir={tmp_path}/run", f"data.cache_dir={tmp_path}/cache", "batch.prompts_per_step=2",
          "sampling.group_size=2", "batch.micro_batch_size=2", "sampling.num_steps=3"],
         cwd=REPO, capture_output=True, text=True, timeout=900,

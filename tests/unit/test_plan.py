@@ -1,4 +1,4 @@
-"""The memory planner (grpo/tools/plan.py) against closed forms and measurements, and the memory levers it plans:
+"""The memory planner (tools/plan.py) against closed forms and measurements, and the memory levers it plans:
 every-k activation checkpointing, ZeRO-3 CPU offload, the VAE's offload."""
 
 import json
@@ -13,7 +13,7 @@ from benchmarks._common import build_transformer, transformer_config
 from grpo.config import load_config
 from grpo.errors import ConfigError
 from grpo.flux import checkpointed_blocks, enable_checkpointing
-from grpo.tools import plan as P
+from tools import plan as P
 from tests import ROOT, TINY
 
 TINY_LORA = str(ROOT / "recipes/configs/tiny/grpo_lora.yaml")
@@ -73,7 +73,7 @@ def test_checkpointing_lowers_the_planned_activations():
 
 # -------------------------------------------------------------------------------------------------- the CLI
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grpo.tools.plan", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tools.plan", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env={"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
 
 
@@ -134,7 +134,8 @@ from grpo import device as dev, engine as eng
 from grpo.config import load_config
 from grpo.layout import derive_layout
 from grpo.inputs import load_ds_config
-from grpo.tools.plan import transformer_inputs
+from tools._recipe import load_recipe
+from tools.plan import transformer_inputs
 from benchmarks._common import build_transformer, transformer_config
 dev.init_distributed()
 tcfg = transformer_config("tiny")
@@ -142,7 +143,7 @@ for overrides in json.loads(sys.argv[2]):
     cfg = load_config(sys.argv[1], overrides)
     ds = load_ds_config(cfg.deepspeed.config, cfg, derive_layout(cfg, 1))
     ds.update(gradient_accumulation_steps=1, train_batch_size=ds["train_micro_batch_size_per_gpu"])
-    engine, _ = eng.build_policy(build_transformer(tcfg), cfg, ds)
+    engine, _ = load_recipe().build_policy(build_transformer(tcfg), cfg, ds)
     train = [p for p in engine.module.parameters() if p.requires_grad]
     before = [safe_get_full_fp32_param(p).clone() for p in train]
     inputs = transformer_inputs(tcfg, 2, 16, 8, eng.precision(ds), device="cpu")

@@ -1,4 +1,4 @@
-"""`python -m grpo.rewards` (run in-process through main())."""
+"""`python -m tools.rewards` (run in-process through main())."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 
 from grpo.rewards import REGISTRY, build_rewards
-from grpo.rewards.__main__ import main
+from tools.rewards import main
 
 from tests.unit.reward_inputs import PROMPTS, images
 

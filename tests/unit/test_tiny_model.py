@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.tiny import build, world
+from grpo.tiny import world
+from tools import build_tiny
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -18,7 +19,7 @@ ASSET = Path(__file__).resolve().parents[2] / "assets" / "tiny-flux"
 def pipe():
     from diffusers import FluxPipeline
 
-    assert (ASSET / "model_index.json").is_file(), f"{ASSET} missing; build it with python -m grpo.tiny.build"
+    assert (ASSET / "model_index.json").is_file(), f"{ASSET} missing; build it with python -m tools.build_tiny"
     p = FluxPipeline.from_pretrained(str(ASSET), local_files_only=True)
     p.set_progress_bar_config(disable=True)
     return p
@@ -52,7 +53,7 @@ def test_shipped_pipeline_generates_from_a_prompt(pipe):
         width=64,
         num_inference_steps=2,
         guidance_scale=3.5,
-        max_sequence_length=build.MAX_SEQUENCE_LENGTH,
+        max_sequence_length=build_tiny.MAX_SEQUENCE_LENGTH,
         generator=torch.Generator().manual_seed(0),
         output_type="pt",
     ).images
@@ -64,7 +65,7 @@ def test_shipped_pipeline_generates_from_a_prompt(pipe):
 def test_shipped_model_loosely_follows_heldout_prompts(pipe):
     # The pretrained model must sit between a blank background (~1/3) and ground truth (~1): GRPO needs room.
     heldout = world.split_prompts()[1]
-    s = build.sample_scores(pipe, heldout, steps=8, seeds=[0])
+    s = build_tiny.sample_scores(pipe, heldout, steps=8, seeds=[0])
     assert 0.45 < s.mean().item() < 0.9
 
 
@@ -72,10 +73,10 @@ def test_text_encoders_tell_prompts_apart(pipe):
     prompts = world.all_prompts()
     with torch.no_grad():
         embeds, pooled, text_ids = pipe.encode_prompt(
-            prompts, device=torch.device("cpu"), max_sequence_length=build.MAX_SEQUENCE_LENGTH
+            prompts, device=torch.device("cpu"), max_sequence_length=build_tiny.MAX_SEQUENCE_LENGTH
         )
-    assert embeds.shape == (len(prompts), build.MAX_SEQUENCE_LENGTH, 64) and pooled.shape == (len(prompts), 32)
-    assert text_ids.shape == (build.MAX_SEQUENCE_LENGTH, 3)
+    assert embeds.shape == (len(prompts), build_tiny.MAX_SEQUENCE_LENGTH, 64) and pooled.shape == (len(prompts), 32)
+    assert text_ids.shape == (build_tiny.MAX_SEQUENCE_LENGTH, 3)
     # Every pair of prompts differs in both the sequence and the pooled embedding.
     for x in (embeds.flatten(1), pooled):
         d = torch.cdist(x, x) + torch.eye(len(prompts)) * 1e9
@@ -104,18 +105,18 @@ def test_builder_makes_a_loadable_random_model(tmp_path):
     from diffusers import FluxPipeline
 
     out = tmp_path / "tiny"
-    summary = build.build(out, vae_steps=0, transformer_steps=0, seed=0, eval_seeds=0, latent_stat_images=16)
+    summary = build_tiny.build(out, vae_steps=0, transformer_steps=0, seed=0, eval_seeds=0, latent_stat_images=16)
     info = json.loads((out / "build_info.json").read_text())
     assert info["transformer_steps"] == 0 and summary["vae_factors"] == info["vae_factors"]
     p = FluxPipeline.from_pretrained(str(out), local_files_only=True)
     p.set_progress_bar_config(disable=True)
     img = p("a red circle on a blue background", height=64, width=64, num_inference_steps=1,
-            max_sequence_length=build.MAX_SEQUENCE_LENGTH, output_type="pt").images
+            max_sequence_length=build_tiny.MAX_SEQUENCE_LENGTH, output_type="pt").images
     assert img.shape == (1, 3, 64, 64)
     # Deterministic given the seed: a second build gives the same transformer weights.
     from safetensors.torch import load_file
 
-    build.build(tmp_path / "again", vae_steps=0, transformer_steps=0, seed=0, eval_seeds=0, latent_stat_images=16)
+    build_tiny.build(tmp_path / "again", vae_steps=0, transformer_steps=0, seed=0, eval_seeds=0, latent_stat_images=16)
     a = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")
     b = load_file(tmp_path / "again" / "transformer" / "diffusion_pytorch_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

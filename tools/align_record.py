@@ -1,7 +1,7 @@
-"""The recording side of grpo.tools.align: one GRPO step of the recipe with hooks on the transformer's blocks.
+"""The recording side of tools.align: one GRPO step of the recipe with hooks on the transformer's blocks.
 
-Runs inside each process of a side (``python -m grpo.tools.align ... --worker OUT``, under torchrun for N processes);
-rank 0 writes the dump (grpo.tools.align_report.save_dump).
+Runs inside each process of a side (``python -m tools.align ... --worker OUT``, under torchrun for N processes);
+rank 0 writes the dump (tools.align_report.save_dump).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from grpo.step import Chunk
-from grpo.tools._recipe import RECIPE_PATH, recipe_session
-from grpo.tools.align_report import FORMAT_VERSION, AlignError, save_dump
+from tools._recipe import RECIPE_PATH, recipe_session
+from tools.align_report import FORMAT_VERSION, AlignError, save_dump
 
 logger = logging.getLogger(__name__)
 

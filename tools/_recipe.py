@@ -1,6 +1,7 @@
 """Loading and driving the recipe script from the tools (recipes/ is not a package, so it is loaded by path).
 
-Shared by grpo.tools.npu_audit and grpo.tools.align: both build the recipe of a preset exactly as a training run does
+:func:`load_recipe` is the one loader: the tools, the benchmarks (``load_recipe().build_policy(...)``) and the tests
+reach the recipe's code through it, once per process and path. tools.npu_audit and tools.align both build the recipe of a preset exactly as a training run does
 (``FluxGRPORecipe(cfg)`` then ``setup()``) and run one GRPO step through its own ``step()``, so what they observe is the
 code that trains, not a re-implementation of it.
 """
@@ -8,6 +9,7 @@ code that trains, not a re-implementation of it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -15,11 +17,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPE_PATH = REPO_ROOT / "recipes" / "flux_grpo.py"
 
+
 def load_recipe(path: str | Path = RECIPE_PATH) -> ModuleType:
-    """Imports the recipe script by path.
+    """Imports the recipe script by path, once per process (a second call returns the same module).
 
     Args:
         path: A recipe script defining ``FluxGRPORecipe`` (a copied and edited recipe works too).
@@ -30,7 +33,11 @@ def load_recipe(path: str | Path = RECIPE_PATH) -> ModuleType:
     Raises:
         FileNotFoundError: ``path`` is not a loadable Python file.
     """
-    path = Path(path)
+    return _load(Path(path).resolve())
+
+
+@functools.cache
+def _load(path: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"_tool_recipe_{path.stem}", path)
     if spec is None or spec.loader is None or not path.is_file():
         raise FileNotFoundError(f"cannot load recipe {path}")

@@ -1,16 +1,16 @@
 """Precision alignment: one seeded GRPO step under two settings, compared block by block.
 
     # two settings on this machine (each side is its own job, torchrun for N processes; one after the other)
-    python -m grpo.tools.align CONFIG [key=value ...] --a SETTING ... --b SETTING ... [--nproc-a 1 --nproc-b 2]
+    python -m tools.align CONFIG [key=value ...] --a SETTING ... --b SETTING ... [--nproc-a 1 --nproc-b 2]
     # one side to a file, e.g. on an NPU box and on a GPU box, then compare the two files anywhere
-    python -m grpo.tools.align CONFIG [key=value ...] [device=npu] [--nproc N] --dump npu.safetensors
-    python -m grpo.tools.align --compare npu.safetensors gpu.safetensors
+    python -m tools.align CONFIG [key=value ...] [device=npu] [--nproc N] --dump npu.safetensors
+    python -m tools.align --compare npu.safetensors gpu.safetensors
 
 A SETTING is a dotted config override (``deepspeed.config=ds_configs/zero3.json``, ``model.attention_backend=flash``),
 ``device=cpu|cuda|npu`` (the side's ``DS_ACCELERATOR``) or ``env.NAME=value`` (an environment variable of that side).
 Overrides given right after CONFIG apply to both sides.
 
-Each side builds the recipe of the preset (recipes/flux_grpo.py, loaded by path as grpo.tools.npu_audit does) and runs
+Each side builds the recipe of the preset (recipes/flux_grpo.py, loaded by path as tools.npu_audit does) and runs
 step 0 through the recipe's own methods: rollout, reward, advantage, update. It records
 
 * the outputs of the transformer's blocks (``time_text_embed``, ``context_embedder``, ``x_embedder``, ``pos_embed``,
@@ -61,8 +61,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo.tools._recipe import RECIPE_PATH, REPO_ROOT, has_override
-from grpo.tools.align_report import AlignError, Comparison, compare, format_table, load_dump
+from tools._recipe import RECIPE_PATH, REPO_ROOT, has_override
+from tools.align_report import AlignError, Comparison, compare, format_table, load_dump
+from tools.launch import torchrun_cmd
 
 logger = logging.getLogger(__name__)
 
@@ -114,9 +115,9 @@ def run_side(name: str, config: str, side: Side, out: Path, workdir: Path, args:
     if not has_override(overrides, "output_dir"):
         overrides.append(f"output_dir={workdir / f'run_{name}'}")
     # One process needs no launcher (grpo.device.init_distributed fills in a 1-process job): saves a torch import.
-    from tools.launch import torchrun_cmd  # a CLI at the edge (moves to tools/ with the other CLIs)
 
-    worker = ["-m", "grpo.tools.align", config, *overrides, "--worker", str(out), "--record-steps",
+
+    worker = ["-m", "tools.align", config, *overrides, "--worker", str(out), "--record-steps",
               args.record_steps, "--max-weights", str(args.max_weights), "--recipe", str(args.recipe)]
     if args.samples is not None:
         worker += ["--samples", str(args.samples)]
@@ -147,7 +148,7 @@ def _check_settings(config: str, side: Side) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m grpo.tools.align", description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="python -m tools.align", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.splitlines()[1:8]))
     p.add_argument("config", nargs="?", help="YAML preset, e.g. recipes/configs/tiny/grpo_lora.yaml")
@@ -189,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.worker:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-        from grpo.tools.align_record import record
+        from tools.align_record import record
 
         try:
             record(args.config, args.overrides, args.worker, args.record_steps, args.samples, args.max_weights,

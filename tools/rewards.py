@@ -1,7 +1,7 @@
-"""Command line: list the rewards, or score a folder of images with one, before spending a cluster on it.
+"""List the rewards, or score a folder of images with one, before spending a cluster on it.
 
-    python -m grpo.rewards --list
-    python -m grpo.rewards score --reward hpsv2 --images DIR --prompts prompts.txt [--option version=v2.0 ...]
+    python -m tools.rewards --list
+    python -m tools.rewards score --reward hpsv2 --images DIR --prompts prompts.txt [--option version=v2.0 ...]
 
 The prompts file has one prompt per line: either one line (used for every image) or one line per image, in the
 order of the image file names sorted. Prints one "file<TAB>score" line per image, then the mean.
@@ -86,7 +86,7 @@ def _score(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m grpo.rewards", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.rewards", description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="list the registered rewards and their options")
     sub = parser.add_subparsers(dest="command")
     score = sub.add_parser("score", help="score a folder of images")

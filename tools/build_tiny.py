@@ -1,6 +1,6 @@
 """Build the embedded tiny FLUX model for the synthetic world, fully offline.
 
-    python -m grpo.tiny.build --out assets/tiny-flux [--vae-steps N] [--transformer-steps N] [--seed S]
+    python -m tools.build_tiny --out assets/tiny-flux [--vae-steps N] [--transformer-steps N] [--seed S]
 
 Phases (each logged with its time):
 
@@ -496,7 +496,7 @@ def build(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tools.build_tiny", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="output folder (diffusers FluxPipeline layout)")
     p.add_argument("--vae-steps", type=int, default=300)
     p.add_argument("--transformer-steps", type=int, default=400)

@@ -1,6 +1,6 @@
 """NPU op audit: run a preset's rollout and train step on the CPU and list every op that would hurt on Ascend.
 
-    python -m grpo.tools.npu_audit CONFIG [key=value ...]         # exit 0: clean, 1: findings, 2: bad config
+    python -m tools.npu_audit CONFIG [key=value ...]         # exit 0: clean, 1: findings, 2: bad config
 
 What counts as a finding (each with the module that ran it and the Python call site):
 
@@ -19,7 +19,7 @@ The device view. The audit runs on the CPU but reports what the same code would 
   module calls, tensors made on or moved to the recipe's device, and everything computed from them (tracked op by
   op). Host tensors (the sigma table, noise drawn from CPU generators, numpy-derived schedules) may be float64 and
   may be read with ``.item()`` at no device cost. To see the recipe's own factory calls and moves, the CLI runs it
-  with the device ``cpu:0`` (``grpo.device.emulate_device_on_cpu``): same CPU memory and kernels, but the index
+  with the device ``cpu:0`` (``emulate_device_on_cpu``): same CPU memory and kernels, but the index
   reaches the dispatcher (``device=cpu:0`` in ``torch.zeros``/``randn``/``_to_copy``), while host code says ``cpu``.
 * diffusers decides some dtypes by device type: ``maybe_adjust_dtype_for_device(torch.float64, device)`` gives float32
   on npu (mps, neuron) and float64 elsewhere; Flux's RoPE table (``FluxPosEmbed``) is the main case. The audit makes
@@ -53,7 +53,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from grpo.tools._recipe import RECIPE_PATH, REPO_ROOT, load_recipe, recipe_session  # noqa: F401
+from grpo import device as grpo_device
+from tools._recipe import RECIPE_PATH, REPO_ROOT, load_recipe, recipe_session  # noqa: F401
 
 logger = logging.getLogger(__name__)
 _THIS_FILE = str(Path(__file__).resolve())
@@ -232,7 +233,7 @@ class Auditor:
         sync_phases: Phases in which host-device syncs are reported (None: every phase).
         project_dirs: Directories whose frames count as call sites, besides diffusers (default: the repository).
         accelerator_device: The indexed CPU device (``cpu:0``) that the audited code uses as its accelerator, from
-            ``grpo.device.emulate_device_on_cpu``. With it, factory calls and ``.to()`` moves onto that device create
+            ``emulate_device_on_cpu``. With it, factory calls and ``.to()`` moves onto that device create
             device tensors, and copies from a device tensor to plain ``cpu`` count as syncs. Without it only module
             parameters, module inputs and what is computed from them count as device tensors.
     """
@@ -558,15 +559,34 @@ def _diffusers_npu_dtypes() -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------------------------- recipe hook
+@contextlib.contextmanager
+def emulate_device_on_cpu(index: int = 0) -> Iterator[torch.device]:
+    """On the CPU accelerator, gives ranks the device ``cpu:<index>`` instead of ``cpu`` while the context is open.
+
+    ``cpu:0`` tensors are ordinary CPU tensors, but factory calls and ``.to()`` moves that name it carry the index
+    into the dispatcher, so the audit can tell "would be on the NPU" (``cpu:0``) from "stays on the host" (``cpu``).
+    It swaps the device that ``grpo.device.device_for_local_rank`` returns on the CPU accelerator; DistInfo objects
+    made inside the context keep the indexed device.
+
+    Yields:
+        The emulated accelerator device.
+    """
+    previous, grpo_device._cpu_accelerator_device = grpo_device._cpu_accelerator_device, torch.device("cpu", index)
+    try:
+        yield grpo_device._cpu_accelerator_device
+    finally:
+        grpo_device._cpu_accelerator_device = previous
+
+
 def run_recipe_step(config_path: str, overrides: Sequence[str], auditor: Auditor,
                     recipe_path: str | Path = RECIPE_PATH) -> None:
     """Runs one rollout and one train step of a preset, on the CPU, under ``auditor``.
 
     The hook between the audit and the recipe (recipes/flux_grpo.py, ``FluxGRPORecipe``, driven through
-    grpo/tools/_recipe.py): setup (model loading, prompt caches, DeepSpeed engines) runs outside the audit; the
+    tools/_recipe.py): setup (model loading, prompt caches, DeepSpeed engines) runs outside the audit; the
     rollout, scoring/advantages and the update run inside it, each in its own phase, so syncs are reported for the
     rollout only. With ``auditor.accelerator_device`` set, the recipe's device is that indexed CPU device
-    (``grpo.device.emulate_device_on_cpu``), so the tensors the recipe creates on or moves to its device are tracked
+    (``emulate_device_on_cpu``), so the tensors the recipe creates on or moves to its device are tracked
     as device tensors. The run writes into a temporary output_dir unless the overrides name one.
 
     Args:
@@ -575,8 +595,6 @@ def run_recipe_step(config_path: str, overrides: Sequence[str], auditor: Auditor
         auditor: The auditor to enter around the audited phases.
         recipe_path: The recipe script.
     """
-    from grpo.device import emulate_device_on_cpu
-
     with contextlib.ExitStack() as stack:
         if auditor.accelerator_device is not None:
             stack.enter_context(emulate_device_on_cpu(auditor.accelerator_device.index or 0))
@@ -589,7 +607,7 @@ def run_recipe_step(config_path: str, overrides: Sequence[str], auditor: Auditor
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry: audit one rollout + train step of CONFIG; exit 0 when clean, 1 with findings, 2 on a bad config."""
-    parser = argparse.ArgumentParser(prog="python -m grpo.tools.npu_audit", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.npu_audit", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="YAML preset, e.g. recipes/configs/tiny/grpo_lora.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     parser.add_argument("--cpu-view", action="store_true",

@@ -1,7 +1,7 @@
 """Per-device memory planner for the GRPO recipe under DeepSpeed ZeRO-3: does a config fit, and what to change if not.
 
-    python -m grpo.tools.plan CONFIG --devices N --device-memory 64GB [key=value ...]
-    python -m grpo.tools.plan recipes/configs/flux1_dev/grpo_full.yaml --devices 8 --device-memory 64GB
+    python -m tools.plan CONFIG --devices N --device-memory 64GB [key=value ...]
+    python -m tools.plan recipes/configs/flux1_dev/grpo_full.yaml --devices 8 --device-memory 64GB
 
 Nothing is loaded or downloaded: the transformer and the VAE are built on the meta device from their config.json
 (from model.path, the local Hugging Face cache, or flux_configs.json next to this file for FLUX.1-dev/schnell).
@@ -55,7 +55,7 @@ from grpo.errors import ConfigError, run_command
 from grpo.flux import enable_checkpointing
 
 GiB = 2**30
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = Path(__file__).with_name("flux_configs.json")
 OFFLOAD_CONFIG = "ds_configs/zero3_offload.json"
 

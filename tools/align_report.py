@@ -1,6 +1,6 @@
 """Align dumps and their comparison: the safetensors file one side writes, the errors of A against B, the table.
 
-Used by grpo.tools.align (``--compare A B`` and the A/B mode); imports neither the recipe nor DeepSpeed, so two dumps
+Used by tools.align (``--compare A B`` and the A/B mode); imports neither the recipe nor DeepSpeed, so two dumps
 can be compared on any machine with torch and safetensors.
 """
 
@@ -73,7 +73,7 @@ def load_dump(path: str | Path) -> Dump:
 
     path = Path(path)
     if not path.is_file():
-        raise AlignError(f"{path}: no such dump; write one with `python -m grpo.tools.align CONFIG --dump {path}`")
+        raise AlignError(f"{path}: no such dump; write one with `python -m tools.align CONFIG --dump {path}`")
     with safe_open(str(path), framework="pt") as f:
         header = f.metadata() or {}
     if "align" not in header:
