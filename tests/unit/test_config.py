@@ -237,3 +237,31 @@ def test_help_lists_every_setting_with_its_help(capsys):
     assert "  ema.decay (float or null; default null): " in out
     assert "  logging.eval_every (int; required): " in out and "[may change on resume]" in out
     assert "\n  hpsv2: HPS" in out and "    version (v2.0 | v2.1; default v2.1): " in out
+
+
+MIX = "sampling.window={placement: progressive, size: 2, shift_every: 4, stride: 1}"
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ([MIX, "grpo.timestep_fraction=0.6"], "grpo.timestep_fraction: 0.6 with sampling.window"),
+    (["sampling.window={placement: progressive, size: 5, shift_every: 4, stride: 1}"], r"window.size: 5; use 1 \.\. "),
+    (["sampling.window={placement: progressive, size: 2, stride: 1}"], "window.shift_every: required with placement"),
+    (["sampling.window={placement: random, size: 2, high: 3, stride: 1}"], "window.stride: only for the other"),
+    (["sampling.window={placement: random, size: 2, high: 6}"], "window.high: 6; use size"),
+    (["sampling.window={placement: sideways, size: 2}"], "sampling.window.placement"),
+    (["sampling.tail=dpm2", "sampling.compress_ratio=0.5"], "dpm2 replaces the steps after an SDE window"),
+    ([MIX, "sampling.tail=dpm2"], "sampling.compress_ratio: None; dpm2 needs"),
+    ([MIX, "sampling.tail=dpm2", "sampling.compress_ratio=0.5", "sampling.shift=dynamic"], "static schedule"),
+    (["sampling.compress_ratio=0.5"], "only for sampling.tail: dpm2"),
+    (["grpo.ratio_norm=true"], "ratio_norm: true needs sampling.sde: flow"),
+    (["sampling.sde=cps", "sampling.eta=1.5"], "above 1, the largest CPS noise level"),
+])
+def test_strategy_settings_refused_with_one_line(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml", overrides)
+
+
+def test_a_window_trains_its_steps():
+    cfg = load_config(ROOT / "recipes/configs/tiny/mixgrpo_lora.yaml")
+    lay = derive_layout(cfg, 2)
+    assert lay.trained_transitions == 2 and lay.grad_accum_steps == lay.micro_batches_per_update * 2
