@@ -265,3 +265,60 @@ def test_a_window_trains_its_steps():
     cfg = load_config(ROOT / "recipes/configs/tiny/mixgrpo_lora.yaml")
     lay = derive_layout(cfg, 2)
     assert lay.trained_transitions == 2 and lay.grad_accum_steps == lay.micro_batches_per_update * 2
+
+
+def _schema_keys(cls, prefix: str = "") -> set[str]:
+    """Every dotted setting of a schema class, sections included."""
+    import dataclasses
+    import typing
+
+    from grpo.schema import _is_section, _split_optional
+
+    out = set()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        out.add(key)
+        inner, _ = _split_optional(hints[f.name])
+        if _is_section(inner):
+            out |= _schema_keys(inner, key + ".")
+    return out
+
+
+def _yaml_keys(d: dict, prefix: str = "") -> set[str]:
+    out = set()
+    for k, v in d.items():
+        out.add(prefix + k)
+        if isinstance(v, dict) and k != "rewards":
+            out |= _yaml_keys(v, prefix + k + ".")
+    return out
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.parent.name + "/" + p.name)
+def test_every_preset_lists_every_setting(preset):
+    """Copy-and-edit presets show everything they use: every schema key is written out (a section set to null, such
+    as lora: null or sampling.window: null, stands for its keys; profile's details are needed only with profile.steps,
+    and a window's placement uses only its own keys)."""
+    import yaml
+
+    from grpo.config import RecipeConfig
+
+    raw = yaml.safe_load(preset.read_text())
+    written = _yaml_keys(raw)
+    nulls = {k for k in written if _lookup(raw, k) is None}
+    unused = set()  # keys the preset cannot rely on: profiling's details while it is off, the other window placement
+    if raw["profile"]["steps"] == []:
+        unused |= {k for k in _schema_keys(RecipeConfig) if k.startswith("profile.")} - {"profile.steps"}
+    window = raw["sampling"]["window"]
+    if window is not None:
+        other = ("high",) if window["placement"] == "progressive" else ("shift_every", "stride")
+        unused |= {f"sampling.window.{k}" for k in other}
+    missing = {k for k in _schema_keys(RecipeConfig) - written - unused
+               if not any(k.startswith(n + ".") for n in nulls)}
+    assert not missing, f"{preset.name} does not list {sorted(missing)}"
+
+
+def _lookup(d: dict, dotted: str):
+    for part in dotted.split("."):
+        d = d[part]
+    return d
