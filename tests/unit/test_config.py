@@ -45,18 +45,10 @@ def test_tiny_presets_differ_from_flux1_dev_only_in_values():
     """Tiny presets mirror the real ones key for key, so a user moving up changes values, not structure."""
     import yaml
 
-    def keys(d, prefix=""):
-        out = set()
-        for k, v in d.items():
-            out.add(prefix + k)
-            if isinstance(v, dict) and k != "rewards":
-                out |= keys(v, prefix + k + ".")
-        return out
-
     for kind in ("lora", "full"):
         tiny = yaml.safe_load((ROOT / f"recipes/configs/tiny/grpo_{kind}.yaml").read_text())
         dev = yaml.safe_load((ROOT / f"recipes/configs/flux1_dev/grpo_{kind}.yaml").read_text())
-        assert keys(tiny) == keys(dev)
+        assert _yaml_keys(tiny) == _yaml_keys(dev)
 
 
 def test_update_blocks_are_world_size_invariant():
