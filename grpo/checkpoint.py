@@ -345,7 +345,7 @@ class Checkpointer:
         every = self.cfg.checkpoint.every
         return every > 0 and (steps_done % every == 0 or steps_done == self.cfg.max_steps)
 
-    def save(self, engine, state: RunState, ema=None) -> Path:
+    def save(self, engine, state: RunState, ema=None, lagging=None) -> Path:
         """Write the checkpoint of `state.step` completed steps atomically; returns its folder."""
         name = checkpoint_name(state.step)
         tmp, final = self.root / f".tmp-{name}", self.root / name
@@ -358,10 +358,11 @@ class Checkpointer:
                                exclude_frozen_parameters=self.cfg.lora is not None)
         get_rng, _ = _device_rng()
         tensors, meta = rng_state(get_rng)
-        if ema is not None:
-            ema_tensors, ema_meta = ema.state()
-            tensors.update(ema_tensors)
-            meta.update(ema_meta)
+        for average in (ema, lagging):
+            if average is not None:
+                avg_tensors, avg_meta = average.state()
+                tensors.update(avg_tensors)
+                meta.update(avg_meta)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / rank_file(self.rank)), metadata=meta)
         dist.barrier()
         names = sorted(p.name for p in tmp.iterdir() if p.is_file())
@@ -374,7 +375,7 @@ class Checkpointer:
             _write_json_atomic(tmp / META, {
                 "format": FORMAT, "step": state.step, "world_size": self.world,
                 "consecutive_skips": state.consecutive_skips, "total_skips": state.total_skips,
-                "lora": self.cfg.lora is not None, "ema": ema is not None,
+                "lora": self.cfg.lora is not None, "ema": ema is not None, "lagging": lagging is not None,
                 "transformer_config": {k: v for k, v in dict(engine.module.config).items() if not k.startswith("_")},
                 "config": to_dict(self.cfg), "files": files, "time": time.time(),
             })
@@ -395,8 +396,8 @@ class Checkpointer:
         for stale in self.root.glob(".tmp-step_*"):
             shutil.rmtree(stale, ignore_errors=True)
 
-    def load(self, path: Path, engine, ema=None) -> RunState:
-        """Restore DeepSpeed's state, this rank's RNG and EMA shard; returns the run counters."""
+    def load(self, path: Path, engine, ema=None, lagging=None) -> RunState:
+        """Restore DeepSpeed's state, this rank's RNG, EMA and lagging-policy shards; returns the run counters."""
         meta = read_meta(path)
         load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_module_strict=False,
                                               load_optimizer_states=True, load_lr_scheduler_states=True)
@@ -414,5 +415,7 @@ class Checkpointer:
                 log.warning("checkpoint %s has no EMA weights; the EMA restarts from the current weights", path)
             else:
                 ema.load(tensors)
+        if lagging is not None:  # part of the training math (algorithm nft/awm): the config check made it present
+            lagging.load(tensors)
         return RunState(step=meta["step"], consecutive_skips=meta.get("consecutive_skips", 0),
                         total_skips=meta.get("total_skips", 0))

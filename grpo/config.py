@@ -126,6 +126,24 @@ class GRPOConfig:
 
 
 @dataclass(kw_only=True)
+class MatchingConfig:
+    timesteps: int = setting(help="noise levels trained per image, drawn from the rollout's schedule (DiffusionNFT: "
+                                  "0.99 of its 10; Flow-Factory's FLUX examples: 2 to 4)")
+    beta: float | None = setting(None, help="nft: mixing strength of the implicit policies (DiffusionNFT: 1.0; 0.1 "
+                                            "for OCR); not a KL weight")
+    huber_p: float | None = setting(None, help="awm: exponent of the generalised-Huber weighting (AWM: 0.25)")
+    anchor_coef: float | None = setting(None, help="awm: weight of mean (v - v_lagging)^2 (AWM's beta_EMA: 1.0)")
+    lag_rate: float = setting(help="the lagging policy: theta_lag <- d*theta_lag + (1 - d)*theta after each step, "
+                                   "d = min(lag_rate * (k - lag_start), lag_max), k = optimizer steps (DiffusionNFT "
+                                   "type 1: 0.001, 0.5, 0; AWM: 0.001, 0.3, 0)")
+    lag_max: float = setting(help="largest decay of the lagging policy (see lag_rate)")
+    lag_start: int = setting(0, help="optimizer steps before the lagging policy starts to lag (DiffusionNFT type 2: "
+                                     "75)")
+    kl_coef: float = setting(0.0, help="weight of mean (v - v_ref)^2 to the initial model (DiffusionNFT: 1e-4); 0 = "
+                                       "off, no reference model")
+
+
+@dataclass(kw_only=True)
 class OptimConfig:
     lr: float = setting(help="AdamW learning rate, e.g. 1e-5 full fine-tune, 3e-4 LoRA")
     weight_decay: float = setting(help="AdamW weight decay")
@@ -199,7 +217,11 @@ class RecipeConfig:
     data: DataConfig = setting(help="prompt files and the embedding cache")
     sampling: SamplingConfig = setting(help="rollouts")
     batch: BatchConfig = setting(help="global batch and micro-batches")
-    grpo: GRPOConfig = setting(help="the GRPO loss")
+    algorithm: str = setting(choices=("grpo", "nft", "awm"),
+                             help="the objective: grpo (clipped ratio of SDE transitions), nft (DiffusionNFT) or awm "
+                                  "(advantage-weighted matching); everything else is shared")
+    grpo: GRPOConfig = setting(help="group advantages (all algorithms) and the GRPO loss")
+    matching: MatchingConfig | None = setting(None, help="nft and awm: the forward-process objective; null for grpo")
     rewards: dict[str, Any] = setting(help="{name: weight} or {name: {weight: w, option: value}}; see Reward options")
     normalize_rewards_per_group: bool = setting(
         False, help="normalise each reward within its group before weighting (MixGRPO)")
@@ -316,8 +338,7 @@ def validate(cfg: RecipeConfig) -> None:
         raise ConfigError(f"grpo.std_scope: {g.std_scope!r} is unknown; use group or batch")
     if g.kl_coef < 0:
         raise ConfigError(f"grpo.kl_coef: {g.kl_coef} is negative; use 0 (no reference) or a positive weight")
-    if s.eta == 0:
-        raise ConfigError("sampling.eta: 0 makes rollouts deterministic and log-probs undefined; train with eta > 0")
+    _validate_algorithm(cfg)
     _positive(cfg.optim.lr, "optim.lr", "e.g. 1e-5 full fine-tune, 3e-4 LoRA")
     _positive(cfg.optim.max_grad_norm, "optim.max_grad_norm", "DanceGRPO uses 1.0")
     if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
@@ -337,6 +358,45 @@ def validate(cfg: RecipeConfig) -> None:
         raise ConfigError(f"model.dtype: {cfg.model.dtype!r}; use fp32, bf16 or fp16")
     _validate_run_control(cfg)
     _validate_profile(cfg)
+
+
+def _validate_algorithm(cfg: RecipeConfig) -> None:
+    """nft and awm train on noised clean samples: they need the matching section and no SDE window."""
+    m = cfg.matching
+    if cfg.algorithm == "grpo":
+        if m is not None:
+            raise ConfigError("matching: only for algorithm nft or awm; set it to null for grpo")
+        if cfg.sampling.eta == 0:
+            raise ConfigError("sampling.eta: 0 makes rollouts deterministic and log-probs undefined; GRPO trains "
+                              "with eta > 0")
+        return
+    if m is None:
+        raise ConfigError(f"matching: required with algorithm {cfg.algorithm} (see --help)")
+    if cfg.grpo.kl_coef != 0 or cfg.grpo.ratio_norm:
+        raise ConfigError(f"grpo.kl_coef / grpo.ratio_norm: GRPO's; set 0 / false for {cfg.algorithm} (its KL weight "
+                          "is matching.kl_coef)")
+    if cfg.sampling.window is not None:
+        raise ConfigError(f"sampling.window: selects GRPO's trained transitions; set null for {cfg.algorithm}")
+    if cfg.sampling.eta == 0 and cfg.sampling.init_same_noise:
+        raise ConfigError("sampling.init_same_noise: true with eta 0 makes each group one image repeated (no "
+                          "advantage); set false, so each image has its own starting noise")
+    if not 1 <= m.timesteps <= cfg.sampling.num_steps:
+        raise ConfigError(f"matching.timesteps: {m.timesteps}; use 1 .. num_steps = {cfg.sampling.num_steps}")
+    need, other = ("beta",), ("huber_p", "anchor_coef")
+    if cfg.algorithm == "awm":
+        need, other = other, need
+    for key in need:
+        if getattr(m, key) is None or not getattr(m, key) > 0:
+            raise ConfigError(f"matching.{key}: {getattr(m, key)}; a positive number is required with algorithm "
+                              f"{cfg.algorithm} (see --help)")
+    for key in other:
+        if getattr(m, key) is not None:
+            raise ConfigError(f"matching.{key}: not used by algorithm {cfg.algorithm}; remove it")
+    if not 0 <= m.lag_max < 1 or m.lag_rate < 0 or m.lag_start < 0:
+        raise ConfigError(f"matching.lag_*: rate {m.lag_rate} >= 0, max {m.lag_max} in [0, 1), start {m.lag_start} "
+                          ">= 0 (DiffusionNFT: 0.001, 0.5, 0)")
+    if m.kl_coef < 0:
+        raise ConfigError(f"matching.kl_coef: {m.kl_coef} is negative; use 0 (no reference) or e.g. 1e-4")
 
 
 def _validate_strategy(cfg: RecipeConfig) -> None:

@@ -11,7 +11,7 @@ import torch
 
 # Independent random streams, so that e.g. changing the timestep fraction does not change the noise.
 # New streams go at the end so that the existing ones keep their numbers (and their random draws).
-INIT_NOISE, STEP_NOISE, TIMESTEPS, PROMPTS, EVAL_NOISE, WINDOW = range(6)
+INIT_NOISE, STEP_NOISE, TIMESTEPS, PROMPTS, EVAL_NOISE, WINDOW, MATCH_NOISE = range(7)
 
 
 def rng_seed(seed: int, step: int, index: int, stream: int) -> int:
@@ -57,6 +57,12 @@ def trained_steps(num_transitions: int, k: int, seed: int, step: int, chunk_id: 
     """
     perm = torch.randperm(num_transitions, generator=generator(seed, step, chunk_id, TIMESTEPS))
     return sorted(perm[:k].tolist())
+
+
+def matching_noise(shape: tuple[int, ...], seed: int, step: int, sample_id: int, point: int, points: int) -> torch.Tensor:
+    """nft/awm's forward-process noise of one sample at schedule point `point` (of `points`): one draw per pair, so a
+    sample's noise at a point does not depend on which other points its chunk trains."""
+    return torch.randn(shape, generator=generator(seed, step, sample_id * points + point, MATCH_NOISE))
 
 
 def micro_batches(ids: list[int], size: int) -> list[list[int]]:

@@ -33,21 +33,29 @@ def _local_fp32(param: torch.nn.Parameter) -> torch.Tensor:
 class ShardedEMA:
     """EMA of the trainable parameters of a ZeRO-3 engine, one fp32 shard per rank.
 
+    Serves as the eval/export EMA (ema.decay) and as nft/awm's lagging policy (matching.lag_*, whose decay grows
+    with the optimizer steps): a LoRA run keeps one more copy of the adapters, a full fine-tune one more fp32 shard,
+    never a second copy of the base weights.
+
     Args:
         engine: the DeepSpeed training engine.
         decay: weight of the old average, e.g. 0.99 (update: ema = decay * ema + (1 - decay) * weights).
+        prefix: names its tensors and metadata in checkpoints ("ema/", "lag/").
     """
 
-    def __init__(self, engine, decay: float):
+    def __init__(self, engine, decay: float, prefix: str = PREFIX):
         self.decay = decay
+        self.prefix = prefix
         self.params = {n: p for n, p in engine.module.named_parameters() if p.requires_grad}
         self.shadow = {n: _local_fp32(p).float().clone() for n, p in self.params.items()}
 
     @torch.no_grad()
-    def update(self) -> None:
+    def update(self, decay: float | None = None) -> None:
+        """ema = d * ema + (1 - d) * weights, d = `decay` or the constructor's."""
+        d = self.decay if decay is None else decay
         for name, p in self.params.items():
             s = self.shadow[name]
-            s.lerp_(_local_fp32(p).to(device=s.device, dtype=torch.float32), 1.0 - self.decay)
+            s.lerp_(_local_fp32(p).to(device=s.device, dtype=torch.float32), 1.0 - d)
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
@@ -78,13 +86,14 @@ class ShardedEMA:
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """This rank's shards and the full shapes (safetensors tensors + metadata)."""
-        tensors = {PREFIX + n: s.cpu() for n, s in self.shadow.items()}
+        tensors = {self.prefix + n: s.cpu() for n, s in self.shadow.items()}
         shapes = {n: [list(p.ds_shape), int(p.ds_numel)] for n, p in self.params.items()}
-        return tensors, {"ema_shapes": json.dumps(shapes), "ema_decay": str(self.decay)}
+        tag = self.prefix.rstrip("/")
+        return tensors, {f"{tag}_shapes": json.dumps(shapes), f"{tag}_decay": str(self.decay)}
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, s in self.shadow.items():
-            s.copy_(tensors[PREFIX + name])
+            s.copy_(tensors[self.prefix + name])
 
 
 def assemble(rank_tensors: list[dict[str, torch.Tensor]], shapes: dict[str, list]) -> dict[str, torch.Tensor]:

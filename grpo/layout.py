@@ -80,8 +80,14 @@ def derive_layout(cfg: RecipeConfig, world_size: int) -> Layout:
             f"batch.rollout_micro_batch_size: {rollout} must be a multiple of micro_batch_size {b.micro_batch_size} "
             f"that divides the {per_rank} images per process; e.g. {b.micro_batch_size} or null"
         )
-    # With an SDE window every window step is trained: a fixed count, as DeepSpeed's gradient accumulation needs.
-    k = s.window.size if s.window is not None else trained_transitions(s.num_steps, cfg.grpo.timestep_fraction)
+    # Backward passes per trajectory, fixed for a run as DeepSpeed's gradient accumulation needs: every window
+    # step with an SDE window, matching.timesteps noise levels for nft / awm.
+    if cfg.matching is not None:  # nft / awm: noise levels per image
+        k = cfg.matching.timesteps
+    elif s.window is not None:
+        k = s.window.size
+    else:
+        k = trained_transitions(s.num_steps, cfg.grpo.timestep_fraction)
     per_update = per_rank // b.updates_per_step
     micro_per_update = per_update // b.micro_batch_size
     return Layout(

@@ -25,9 +25,14 @@ class Chunk:
     prompt_idx: list[int]  # row of each sample's prompt in the prompt cache
     cond: Conditioning
     traj: Trajectories
-    trained: list[int]  # the transitions the update trains, drawn once per chunk (grpo/data.trained_steps)
+    # What the update trains, drawn once per chunk: GRPO's transitions i -> i+1, or the schedule points sigma_i at
+    # which nft / awm noise the clean samples (grpo/data.trained_steps, the window's steps with an SDE window).
+    trained: list[int]
     images: torch.Tensor | None = None  # [B, 3, H, W] in [0, 1], decoded after the rollout's weights are released
-    reference: dict[int, torch.Tensor] = field(default_factory=dict)  # transition -> reference SDE mean (KL only)
+    # Constants of the update, keyed by trained index, computed without gradients before it:
+    reference: dict[int, torch.Tensor] = field(default_factory=dict)  # GRPO: reference SDE mean; nft/awm: v_ref
+    lagging: dict[int, torch.Tensor] = field(default_factory=dict)  # nft/awm: the lagging policy's velocity
+    noised: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # nft/awm: (x_t, eps)
 
 
 @dataclass
@@ -35,7 +40,7 @@ class UpdateStats:
     """What an update phase logs. Means are over this rank's backward passes, then over ranks.
 
     Fields left None are not logged: a step whose update was skipped for a non-finite reward logs only
-    skipped_updates.
+    skipped_updates, and the ratio statistics exist for grpo only.
     """
 
     loss: float | None = None
@@ -49,49 +54,58 @@ class UpdateStats:
     lr: float | None = None
     skipped_updates: float = 0.0  # optimizer steps DeepSpeed skipped (non-finite gradient) or never took
     nonfinite_grad: float | None = None
+    extra: dict[str, float] = field(default_factory=dict)  # the objective's own terms, e.g. nft's loss_pos
 
     _NAMES = {"nonfinite_loss": "nonfinite/loss", "nonfinite_grad": "nonfinite/grad"}
 
     def metrics(self) -> dict[str, float]:
-        return {self._NAMES.get(f.name, f.name): getattr(self, f.name) for f in dataclasses.fields(self)
-                if getattr(self, f.name) is not None}
+        out = {self._NAMES.get(f.name, f.name): getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name != "extra" and getattr(self, f.name) is not None}
+        return {**out, **self.extra}
 
 
 @dataclass
 class LossSums:
     """Running sums of one rank's backward passes, reduced over ranks into UpdateStats."""
 
-    loss: float = 0.0
-    kl: float = 0.0
-    clip_frac: float = 0.0
-    approx_kl: float = 0.0
-    ratio_mean: float = 0.0
+    sums: dict[str, float] = field(default_factory=dict)  # "loss" and each scalar stat of the objective
     passes: int = 0
     nonfinite: int = 0
-    ratio_max_dev: float = 0.0
+    ratio_max_dev: float | None = None  # grpo only
 
-    def add(self, loss: torch.Tensor, stats: dict[str, torch.Tensor], on_policy: bool) -> None:
-        """One backward pass: `loss` and the stats of grpo.loss.grpo_loss; `on_policy` for the first update block."""
-        self.loss += loss.item()
-        self.kl += stats["kl"].item()
-        self.clip_frac += stats["clip_frac"].item()
-        self.approx_kl += stats["approx_kl"].item()
-        self.ratio_mean += stats["ratio"].mean().item()
+    def add(self, loss: torch.Tensor, stats: dict[str, torch.Tensor], on_policy: bool = False) -> None:
+        """One backward pass: `loss` and the objective's detached stats ("ratio" [B] for grpo: its mean is logged,
+        and its largest deviation from 1 in the on-policy block); `on_policy` for the first update block."""
+        values = {"loss": loss}
+        for key, value in stats.items():
+            if key == "ratio":
+                values["ratio_mean"] = value.mean()
+                if self.ratio_max_dev is None:
+                    self.ratio_max_dev = 0.0
+                if on_policy:
+                    self.ratio_max_dev = max(self.ratio_max_dev, (value - 1).abs().max().item())
+            else:
+                values[key] = value
+        for key, value in values.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value.item()
         self.passes += 1
         self.nonfinite += int(not torch.isfinite(loss))
-        if on_policy:
-            self.ratio_max_dev = max(self.ratio_max_dev, (stats["ratio"] - 1).abs().max().item())
 
     def reduce(self, device: torch.device) -> UpdateStats:
         """Collective: means over ranks, the non-finite count summed, the ratio deviation's max."""
-        means = ("loss", "kl", "clip_frac", "approx_kl", "ratio_mean")
-        summed = torch.tensor([getattr(self, k) / self.passes for k in means] + [float(self.nonfinite)], device=device)
-        dev = torch.tensor([self.ratio_max_dev], device=device)
+        keys = list(self.sums)
+        summed = torch.tensor([self.sums[k] / self.passes for k in keys] + [float(self.nonfinite)], device=device)
         dist.all_reduce(summed)
         summed[:-1] /= dist.get_world_size()
-        dist.all_reduce(dev, op=dist.ReduceOp.MAX)
-        values = summed.tolist()
-        return UpdateStats(**dict(zip(means, values[:-1])), nonfinite_loss=values[-1], ratio_max_dev=dev.item())
+        values = dict(zip(keys, summed[:-1].tolist()))
+        named = {f.name for f in dataclasses.fields(UpdateStats)}
+        stats = UpdateStats(**{k: v for k, v in values.items() if k in named}, nonfinite_loss=summed[-1].item(),
+                            extra={k: v for k, v in values.items() if k not in named})
+        if self.ratio_max_dev is not None:
+            dev = torch.tensor([self.ratio_max_dev], device=device)
+            dist.all_reduce(dev, op=dist.ReduceOp.MAX)
+            stats.ratio_max_dev = dev.item()
+        return stats
 
 
 @dataclass

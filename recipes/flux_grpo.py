@@ -1,11 +1,15 @@
-"""GRPO fine-tuning of FLUX with the transformer sharded by DeepSpeed ZeRO-3 (Ascend NPU, CUDA or CPU).
+"""RL fine-tuning of FLUX with the transformer sharded by DeepSpeed ZeRO-3 (Ascend NPU, CUDA or CPU): GRPO, and the
+forward-process objectives DiffusionNFT and AWM, in one recipe (`algorithm: grpo | nft | awm`).
 
-One step reads top to bottom as the algorithm:
-    rollout    each rank samples its share of the step's images with the SDE sampler, recording latents and log-probs
+One step (`step()`, which the training loop, the tools and the tests all run) reads top to bottom as the algorithm:
+    rollout    each rank samples its share of the step's images (grpo: the SDE sampler, recording latents and
+               log-probs, optionally only inside an SDE window; nft: the lagging policy's sampler; awm: the policy's)
     reward     each rank scores its own images; only scalars cross ranks
     advantage  rewards are gathered with their global sample index and normalised within each prompt's group
-    reference  (kl_coef > 0) SDE means of the reference policy for the transitions to be trained
-    update     PPO-clip loss on a random share of each trajectory's transitions, accumulated, then an optimizer step
+    reference  grpo: the reference policy's SDE means (kl_coef > 0); nft/awm: the clean samples noised at sampled
+               schedule points, with the lagging policy's and the reference's velocities there
+    update     grpo: PPO-clip on the trained transitions; nft: the implicit positive/negative policies; awm:
+               advantage-weighted flow matching; accumulated, then an optimizer step
     log/save   health line, metrics.jsonl, TensorBoard, reward curve, sample grids, held-out eval every N steps,
                a resumable checkpoint every N steps, and finally a LoRA or a full transformer export
 
@@ -15,7 +19,10 @@ Features and the settings that control them (see grpo/config.py for every key):
                                     full: a second ZeRO-3 engine without optimizer
     sharding/offload/precision .... deepspeed.config (ds_configs/*.json); batch fields are derived, never set there
     activation recompute .......... model.gradient_checkpointing
-    sampler ....................... sampling.{num_steps, eta, sde: dance|flow, shift, guidance, init_same_noise}
+    sampler ....................... sampling.{num_steps, eta, sde: dance|flow|cps, shift, guidance, init_same_noise}
+    fast GRPO strategies .......... sampling.window (MixGRPO, Flow-GRPO-Fast), sampling.tail: dpm2 (MixGRPO-Flash),
+                                    grpo.ratio_norm (GRPO-Guard)
+    objective ..................... algorithm: grpo | nft | awm; matching.* for nft/awm (grpo/matching.py)
     batch ......................... batch.{prompts_per_step (global), micro_batch_size, rollout_micro_batch_size,
                                     updates_per_step},
                                     sampling.group_size (global); per-rank values derived from the world size
@@ -61,19 +68,20 @@ from grpo import eval as evals
 from grpo import export, health
 from grpo.advantages import group_advantages
 from grpo.config import RecipeConfig, dump_config, load_config, to_dict
-from grpo.data import micro_batches, prompts_for_step, step_noise_generator, trained_steps
+from grpo.data import matching_noise, micro_batches, prompts_for_step, step_noise_generator, trained_steps
 from grpo.distributed import gather_by_index
 from grpo.ema import ShardedEMA
 from grpo.errors import ConfigError
-from grpo.flux import enable_checkpointing, load_parts
+from grpo.flux import enable_checkpointing, load_parts, velocity
 from grpo.inputs import check_inputs
 from grpo.loading import transformer_loader
 from grpo.loss import RatioNorm, grpo_loss
+from grpo.matching import awm_loss, decay, forward_noise, nft_loss, optimality_weight, velocity_mse
 from grpo.metrics import MetricsLogger, progress, save_grid
 from grpo.profiling import PhaseClock, StepProfiler
 from grpo.prompts import ensure_cache, load_cache
 from grpo.rewards import build_rewards, finite_check, mix
-from grpo.rollout import FluxSampler
+from grpo.rollout import FluxSampler, timestep
 from grpo.sde import kl_same_std
 from grpo.step import Chunk, LossSums, StepResult, UpdateStats
 
@@ -116,6 +124,7 @@ class FluxGRPORecipe:
         self.out = Path(cfg.output_dir)
         self.resume_from = ckpt.resume_point(cfg, self.world)  # None: fresh start (output_dir must be empty)
         self.show_progress = self.rank == 0 and cfg.logging.progress
+        self.kl_coef = cfg.matching.kl_coef if cfg.matching is not None else cfg.grpo.kl_coef  # 0: no reference
         dev.seed_everything(cfg.seed + self.rank)
 
     # ------------------------------------------------------------------------------------------------ setup
@@ -159,13 +168,16 @@ class FluxGRPORecipe:
         self.eval_prompts = load_cache(paths["eval"]) if "eval" in paths else None
 
     def _setup_run_state(self) -> None:
-        """EMA, the checkpoint to resume from (weights, optimizer, RNG, counters), metrics."""
+        """EMA, the lagging policy (nft/awm), the checkpoint to resume from (weights, optimizer, RNG, counters),
+        metrics."""
         cfg = self.cfg
         self.ema = ShardedEMA(self.engine, cfg.ema.decay) if cfg.ema.decay else None
+        # nft samples with it and mixes it into its implicit policies; awm anchors to it (grpo/matching.py)
+        self.lagging = ShardedEMA(self.engine, 0.0, prefix="lag/") if cfg.matching is not None else None
         self.checkpoints = ckpt.Checkpointer(cfg, self.rank, self.world)
         self.state = ckpt.RunState(step=0)
         if self.resume_from is not None:
-            self.state = self.checkpoints.load(self.resume_from, self.engine, self.ema)
+            self.state = self.checkpoints.load(self.resume_from, self.engine, self.ema, self.lagging)
             if self.rank == 0:
                 log.info("resumed from %s: continuing at step %d", self.resume_from, self.state.step)
         self.skips = health.SkipCounter(cfg.faults.max_consecutive_skips, self.state.consecutive_skips,
@@ -176,7 +188,7 @@ class FluxGRPORecipe:
 
     def _setup_reference(self):
         """None when kl_coef = 0; the policy itself with adapters disabled for LoRA; else a sharded frozen copy."""
-        if self.cfg.grpo.kl_coef == 0 or self.cfg.lora is not None:
+        if self.kl_coef == 0 or self.cfg.lora is not None:
             return None
         return eng.build_reference(self.load_transformer(self.model_path, self.dtype), self.ds_config)
 
@@ -233,20 +245,19 @@ class FluxGRPORecipe:
             rewards, reward_stats = self.score(chunks, step)
             advantages, adv_stats = self.advantages(rewards)
         with clock("train"):
-            if self.cfg.grpo.kl_coef > 0:
-                self.reference_means(chunks)
+            self.fixed_targets(chunks, step)
             if torch.isfinite(rewards).all():
                 update = self.update(step, chunks, advantages)
             else:  # a NaN reward would poison every advantage of the step: skip the update, keep the count
                 update = UpdateStats(skipped_updates=float(self.layout.updates_per_step))
-            if self.ema is not None and update.skipped_updates < self.layout.updates_per_step:
-                self.ema.update()
+            if update.skipped_updates < self.layout.updates_per_step:
+                self._update_averages()
         timings = {"time/rollout_s": clock.seconds["rollout"], "time/reward_s": clock.seconds["reward"],
                    "time/update_s": clock.seconds["train"], "step_time_s": clock.total,
                    "samples_per_s": self.layout.samples_per_step / clock.total}
         # Transformer compute per image in forward-equivalents (a backward counts 2): what strategies trade.
-        trained = len(chunks[0].trained)
-        cost = chunks[0].traj.nfe + 3 * trained + (trained if self.cfg.grpo.kl_coef > 0 else 0)
+        trained, lagging = len(chunks[0].trained), self.lagging is not None and self._uses_lagging_velocity
+        cost = chunks[0].traj.nfe + trained * (3 + (self.kl_coef > 0) + lagging)
         return StepResult(chunks, rewards, advantages, {**reward_stats, **adv_stats, **update.metrics(), **timings,
                                                         "forwards_per_image": float(cost)})
 
@@ -279,8 +290,10 @@ class FluxGRPORecipe:
         cfg, g, lay = self.cfg, self.cfg.sampling.group_size, self.layout
         prompt_of_slot = prompts_for_step(len(self.train_prompts), cfg.batch.prompts_per_step, cfg.seed, step)
         window = self.sampler.window(step)  # None: every step SDE, a random share of them trained per chunk
+        # grpo trains K of the N-1 transitions; nft/awm noise the clean samples at K of the N schedule points
+        points = cfg.sampling.num_steps if cfg.matching is not None else cfg.sampling.num_steps - 1
         chunks = []
-        with eng.inference_module(self.engine, cfg.deepspeed.gather_for_rollout) as model:
+        with self._rollout_weights(), eng.inference_module(self.engine, cfg.deepspeed.gather_for_rollout) as model:
             for ids in progress(micro_batches(lay.rank_sample_ids(self.rank), lay.rollout_micro_batch_size),
                                 f"rollout {step}", self.show_progress):
                 prompt_idx = [prompt_of_slot[s // g] for s in ids]
@@ -292,7 +305,7 @@ class FluxGRPORecipe:
                 for i in range(0, len(ids), lay.micro_batch_size):
                     rows = slice(i, i + lay.micro_batch_size)
                     trained = list(window) if window is not None else trained_steps(
-                        cfg.sampling.num_steps - 1, lay.trained_transitions, cfg.seed, step, ids[rows][0])
+                        points, lay.trained_transitions, cfg.seed, step, ids[rows][0])
                     chunks.append(Chunk(ids[rows], prompt_idx[rows], cond.select(rows), traj.select(rows), trained))
         for c in chunks:  # decode after the gathered weights are released
             c.images = self.sampler.decode(c.traj.x0)
@@ -328,34 +341,81 @@ class FluxGRPORecipe:
 
     # -------------------------------------------------------------------------------------------- reference
     @torch.no_grad()
-    def reference_means(self, chunks: list[Chunk]) -> None:
-        """Reference SDE means of every transition the update will train, into each chunk (computed sharded)."""
-        lora = self.reference is None  # LoRA: the base model is the policy with its adapters switched off
-        gather = self.cfg.deepspeed.gather_for_rollout and lora
-        with eng.inference_module(self.engine if lora else self.reference, gather) as model:
-            if lora:
+    def fixed_targets(self, chunks: list[Chunk], step: int) -> None:
+        """What the update compares against, computed sharded and without gradients, into each chunk: grpo's
+        reference SDE means (kl_coef > 0); nft/awm's noised samples, the lagging policy's and the reference's
+        velocities at them."""
+        step_noise = self.cfg.matching is not None
+        if step_noise:
+            self._noise_clean_samples(chunks, step)
+            if self._uses_lagging_velocity:
+                with self.lagging.applied(), self._inference(lagging=True) as model:
+                    for c in chunks:
+                        c.lagging = {j: self._velocity(model, c, j) for j in c.trained}
+        if self.kl_coef == 0:
+            return
+        with self._inference(reference=True) as model:
+            for c in chunks:
+                c.reference = {j: self._velocity(model, c, j) if step_noise else
+                               self.sampler.transition(model, c.cond, c.traj.latents, j).mean for j in c.trained}
+
+    @contextlib.contextmanager
+    def _inference(self, reference: bool = False, lagging: bool = False):
+        """A no-grad forward module: the policy, its lagging weights (inside lagging.applied()), or the reference
+        (LoRA: the policy with its adapters switched off; full fine-tune: the frozen reference engine)."""
+        lora = self.reference is None
+        gather = self.cfg.deepspeed.gather_for_rollout and (lora or not reference)
+        with eng.inference_module(self.reference if reference and not lora else self.engine, gather) as model:
+            if reference and lora:
                 model.disable_adapters()
             try:
-                for c in chunks:
-                    c.reference = {j: self.sampler.transition(model, c.cond, c.traj.latents, j).mean
-                                   for j in c.trained}
+                yield model
             finally:
-                if lora:
+                if reference and lora:
                     model.enable_adapters()
+
+    def _noise_clean_samples(self, chunks: list[Chunk], step: int) -> None:
+        """nft/awm: x_t = (1 - t)·x0 + t·eps at each trained schedule point t = sigma_j, eps keyed on the sample."""
+        cfg, points = self.cfg, self.cfg.sampling.num_steps
+        for c in chunks:
+            for j in c.trained:
+                eps = torch.stack([matching_noise(c.traj.x0.shape[1:], cfg.seed, step, i, j, points)
+                                   for i in c.ids]).to(c.traj.x0.device)
+                t = self.sampler.sigmas[j].expand(len(c.ids)).to(c.traj.x0.device)
+                c.noised[j] = (forward_noise(c.traj.x0, eps, t), eps)
+
+    def _velocity(self, model, c: Chunk, j: int) -> torch.Tensor:
+        x_t = c.noised[j][0]
+        return velocity(model, x_t, timestep(self.sampler.sigmas, j, len(c.ids)).to(x_t.device), c.cond)
+
+    @property
+    def _uses_lagging_velocity(self) -> bool:
+        m = self.cfg.matching
+        return m is not None and (self.cfg.algorithm == "nft" or m.anchor_coef > 0)
+
+    def _rollout_weights(self):
+        """nft samples with the lagging (old) policy (DiffusionNFT Algorithm 1); grpo and awm with the policy."""
+        return self.lagging.applied() if self.cfg.algorithm == "nft" else contextlib.nullcontext()
+
+    def _update_averages(self) -> None:
+        """After a step that updated the weights: the eval EMA, and the lagging policy at its scheduled decay."""
+        if self.ema is not None:
+            self.ema.update()
+        if self.lagging is not None:
+            m = self.cfg.matching
+            self.lagging.update(decay(self.engine.global_steps, m.lag_rate, m.lag_max, m.lag_start))
 
     # ----------------------------------------------------------------------------------------------- update
     def update(self, step: int, chunks: list[Chunk], advantages: torch.Tensor) -> UpdateStats:
         """Accumulate the clipped loss over the trained transitions of each update block, then step."""
-        per_update, g = self.layout.micro_batches_per_update, self.cfg.grpo
+        per_update = self.layout.micro_batches_per_update
         sums, grad_norms = LossSums(), []
         skipped_before = self.engine.skipped_steps
+        loss_of = {"grpo": self._grpo_loss, "nft": self._nft_loss, "awm": self._awm_loss}[self.cfg.algorithm]
         for n, c in enumerate(progress(chunks, f"update {step}", self.show_progress)):
             adv = advantages[torch.tensor(c.ids, device=advantages.device)]
             for j in c.trained:
-                out = self.sampler.transition(self.engine, c.cond, c.traj.latents, j)
-                kl = kl_same_std(out.mean, c.reference[j], out.std) if g.kl_coef > 0 else None
-                loss, st = grpo_loss(out.log_prob, c.traj.log_probs[:, j], adv, clip_range=g.clip_range, kl=kl,
-                                     kl_coef=g.kl_coef, ratio_norm=self._ratio_norm(out, c, j))
+                loss, st = loss_of(c, j, adv)
                 loss = health.inject("nan_loss", step, self.rank, loss)  # a no-op outside fault tests
                 if not torch.isfinite(loss):  # make its gradient non-finite too: ZeRO-3 then sees a non-finite
                     loss = loss * float("nan")  # global grad norm (all-reduced) and skips this optimizer step
@@ -373,6 +433,40 @@ class FluxGRPORecipe:
         stats.skipped_updates = float(skipped)
         stats.nonfinite_grad = float(skipped if stats.nonfinite_loss == 0 else 0)
         return stats
+
+    def _grpo_loss(self, c: Chunk, j: int, adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The clipped ratio of transition j's log-prob under the policy and at rollout, + the Gaussian KL."""
+        g = self.cfg.grpo
+        out = self.sampler.transition(self.engine, c.cond, c.traj.latents, j)
+        kl = kl_same_std(out.mean, c.reference[j], out.std) if g.kl_coef > 0 else None
+        return grpo_loss(out.log_prob, c.traj.log_probs[:, j], adv, clip_range=g.clip_range, kl=kl,
+                         kl_coef=g.kl_coef, ratio_norm=self._ratio_norm(out, c, j))
+
+    def _nft_loss(self, c: Chunk, j: int, adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """DiffusionNFT at schedule point j: the implicit positive/negative policies around the lagging one."""
+        m, (x_t, _) = self.cfg.matching, c.noised[j]
+        v = self._velocity(self.engine, c, j)
+        t = self.sampler.sigmas[j].expand(len(c.ids)).to(x_t.device)
+        r = optimality_weight(adv, self.cfg.grpo.adv_clip)
+        loss, st = nft_loss(v, c.lagging[j], x_t, c.traj.x0, t, r, m.beta, self.cfg.grpo.adv_clip)
+        return self._plus_kl(loss, st, v, c, j)
+
+    def _awm_loss(self, c: Chunk, j: int, adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """AWM at schedule point j: flow matching weighted by the advantage (scaled to +-1), + the anchor term."""
+        m, (_, eps) = self.cfg.matching, c.noised[j]
+        v = self._velocity(self.engine, c, j)
+        t = self.sampler.sigmas[j].expand(len(c.ids)).to(v.device)
+        loss, st = awm_loss(v, c.traj.x0, eps, t, adv / self.cfg.grpo.adv_clip, m.huber_p)
+        if m.anchor_coef > 0:
+            anchor = velocity_mse(v, c.lagging[j]).mean()
+            loss, st = loss + m.anchor_coef * anchor, {**st, "anchor": anchor.detach()}
+        return self._plus_kl(loss, st, v, c, j)
+
+    def _plus_kl(self, loss: torch.Tensor, st: dict, v: torch.Tensor, c: Chunk, j: int) -> tuple[torch.Tensor, dict]:
+        if self.kl_coef == 0:
+            return loss, st
+        kl = velocity_mse(v, c.reference[j]).mean()
+        return loss + self.kl_coef * kl, {**st, "kl": kl.detach()}
 
     def _ratio_norm(self, out, c: Chunk, j: int) -> RatioNorm | None:
         """GRPO-Guard (grpo.ratio_norm): the rollout's and the policy's SDE means of transition j, and its scales."""
@@ -414,7 +508,7 @@ class FluxGRPORecipe:
     def save_checkpoint(self, steps_done: int) -> None:
         """Collective: a resumable checkpoint (grpo/checkpoint.py) after `steps_done` completed steps."""
         state = ckpt.RunState(steps_done, self.skips.consecutive, self.skips.total)
-        path = self.checkpoints.save(self.engine, state, self.ema)
+        path = self.checkpoints.save(self.engine, state, self.ema, self.lagging)
         if self.rank == 0:
             log.info("checkpoint %s", path)
 
