@@ -1,12 +1,14 @@
 """Held-out reward per unit of transformer compute: DanceGRPO against the fast flow-GRPO strategies, side by side.
 
-Every strategy starts from the same base model (assets/tiny-flux), the same preset (recipes/configs/tiny/grpo_lora.yaml)
-and the same seeds, and gets the same budget of transformer compute, counted in forward-equivalents per image (a
-rollout step or a reference forward costs 1, a trained transition 3: its forward and a backward that costs 2). The
+Every strategy starts from the same base model (assets/tiny-flux) with its tiny preset (recipes/configs/tiny/*.yaml:
+the same batch, LoRA, learning rate and seeds as the default run), and gets the same budget of transformer compute,
+counted in forward-equivalents per image (a rollout step or a no-grad forward costs 1, a trained transition or noise
+level 3: its forward and a backward that costs 2). The
 baseline runs `--budget-steps` steps; each strategy runs as many steps as fit in the baseline's compute. The
 held-out reward (eta = 0, the same fixed noise for every run, so the comparison is paired) is read every few steps.
 
-    python benchmarks/time_to_reward.py [--budget-steps 20] [--out runs/time_to_reward] [--smoke]
+    python benchmarks/time_to_reward.py [--budget-steps 20] [--only NAME ...] [--out runs/time_to_reward] [--reuse]
+                                        [--smoke]
 
 Headline (last line): time_to_reward_speedup = compute the baseline needs to reach its final held-out gain /
 compute the best strategy needs to reach the same gain (linear between eval points; 0 when none reaches it).
@@ -31,21 +33,17 @@ from grpo.solvers import tail_points  # noqa: E402
 from grpo.windows import rollout_window  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-PRESET = "recipes/configs/tiny/grpo_lora.yaml"
 
-# name -> (overrides on the preset, where it comes from). Window sizes and placements follow the sources, scaled to
-# the tiny world's 6 steps (MixGRPO: 25 steps, window 4, tau 25; Flow-GRPO-Fast: window over the first half).
-STRATEGIES: dict[str, tuple[list[str], str]] = {
-    "dancegrpo": ([], "every step SDE, every transition trained (the preset; DanceGRPO)"),
-    "mixgrpo": (["sampling.sde=flow", "sampling.window={placement: progressive, size: 2, shift_every: 4, stride: 1}"],
-                "Flow-SDE window of 2 sliding every 4 steps, ODE elsewhere (MixGRPO)"),
-    "mixgrpo_flash": (["sampling.sde=flow",
-                       "sampling.window={placement: progressive, size: 2, shift_every: 4, stride: 1}",
-                       "sampling.tail=dpm2", "sampling.compress_ratio=0.5"],
-                      "MixGRPO + DPM-Solver++(2M) on a halved tail (MixGRPO-Flash)"),
-    "flowgrpo_fast": (["sampling.sde=cps", "sampling.eta=0.8", "grpo.clip_range=1e-5",
-                       "sampling.window={placement: random, size: 2, high: 3}"],
-                      "CPS window of 2 at a random start in the first half (Flow-GRPO-Fast)"),
+# name -> (preset, what it is). The fast presets scale their sources' windows to the tiny world's 6 steps; nft and awm
+# follow Flow-Factory's FLUX examples (2 noise levels per image). Every preset shares the default run's batch, LoRA,
+# learning rate and seed.
+STRATEGIES: dict[str, tuple[str, str]] = {
+    "dancegrpo": ("recipes/configs/tiny/grpo_lora.yaml", "every step SDE, every transition trained (DanceGRPO)"),
+    "mixgrpo": ("recipes/configs/tiny/mixgrpo_lora.yaml", "Flow-SDE window of 2 sliding every 4 steps (MixGRPO)"),
+    "mixgrpo_flash": ("recipes/configs/tiny/mixgrpo_flash_lora.yaml", "MixGRPO + DPM-Solver++(2M) tail (Flash)"),
+    "flowgrpo_fast": ("recipes/configs/tiny/flowgrpo_fast_lora.yaml", "CPS window of 2, random start (Fast)"),
+    "nft": ("recipes/configs/tiny/nft_lora.yaml", "DiffusionNFT: ODE rollouts, implicit +/- policies"),
+    "awm": ("recipes/configs/tiny/awm_lora.yaml", "AWM: ODE rollouts, advantage-weighted matching"),
 }
 
 SMOKE = ["batch.prompts_per_step=4", "sampling.group_size=2", "batch.micro_batch_size=4", "logging.eval_seeds=1",
@@ -53,9 +51,13 @@ SMOKE = ["batch.prompts_per_step=4", "sampling.group_size=2", "batch.micro_batch
 
 
 def step_cost(cfg, step: int) -> int:
-    """Forward-equivalents per image of GRPO step `step`: rollout calls + 3 per trained transition (+1 with KL)."""
-    s = cfg.sampling
+    """Forward-equivalents per image of step `step`: rollout calls, then per trained transition or noise level 3 (a
+    forward and a backward), +1 for a reference forward (KL), +1 for the lagging policy's (nft, awm's anchor)."""
+    s, m = cfg.sampling, cfg.matching
     window = rollout_window(s, cfg.seed, step)
+    if m is not None:
+        lagging = cfg.algorithm == "nft" or m.anchor_coef > 0
+        return s.num_steps + m.timesteps * (3 + (m.kl_coef > 0) + lagging)
     if window is None:
         rollout, trained = s.num_steps, trained_transitions(s.num_steps, cfg.grpo.timestep_fraction)
     else:
@@ -74,14 +76,17 @@ def steps_within(cfg, budget: float) -> int:
     return max(n, 1)
 
 
-def run(name: str, overrides: list[str], steps: int, eval_every: int, out: Path) -> list[dict]:
+def run(name: str, overrides: list[str], steps: int, eval_every: int, out: Path, reuse: bool) -> list[dict]:
     run_dir = out / name
-    cmd = ["bash", str(ROOT / "launch" / "run.sh"), PRESET, *overrides, f"output_dir={run_dir}", f"max_steps={steps}",
-           f"logging.eval_every={eval_every}", "checkpoint.every=0", "logging.progress=false"]
+    metrics = run_dir / "metrics.jsonl"
+    if reuse and (run_dir / "final").exists() and metrics.exists():
+        return [json.loads(line) for line in metrics.read_text().splitlines()]
+    cmd = ["bash", str(ROOT / "launch" / "run.sh"), STRATEGIES[name][0], *overrides, f"output_dir={run_dir}",
+           f"max_steps={steps}", f"logging.eval_every={eval_every}", "checkpoint.every=0", "logging.progress=false"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-4000:]}")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
 def curve(rows: list[dict], cfg) -> list[tuple[float, float]]:
@@ -134,6 +139,7 @@ def main() -> None:
     parser.add_argument("--evals", type=int, default=5, help="held-out evals per run after step 0")
     parser.add_argument("--only", nargs="*", default=list(STRATEGIES), help="strategies to run (baseline first)")
     parser.add_argument("--out", default="runs/time_to_reward")
+    parser.add_argument("--reuse", action="store_true", help="keep finished runs found under --out")
     parser.add_argument("--smoke", action="store_true",
                         help="2 baseline steps on 8 images a step, baseline and MixGRPO-Flash only (tests the script)")
     args = parser.parse_args()
@@ -145,13 +151,13 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     names = ["dancegrpo"] + [n for n in args.only if n != "dancegrpo"]
-    cfgs = {n: load_config(ROOT / PRESET, [*STRATEGIES[n][0], *extra]) for n in names}
+    cfgs = {n: load_config(ROOT / STRATEGIES[n][0], extra) for n in names}
     budget = sum(step_cost(cfgs["dancegrpo"], k) for k in range(budget_steps))
     curves, rows_of = {}, {}
     print(f"budget: {budget:.0f} forward-equivalents per image ({budget_steps} DanceGRPO steps)")
     for n in names:
         steps = budget_steps if n == "dancegrpo" else steps_within(cfgs[n], budget)
-        rows_of[n] = run(n, [*STRATEGIES[n][0], *extra], steps, max(1, math.ceil(steps / args.evals)), out)
+        rows_of[n] = run(n, extra, steps, max(1, math.ceil(steps / args.evals)), out, args.reuse)
         curves[n] = curve(rows_of[n], cfgs[n])
         wall = sum(r.get("step_time_s", 0.0) for r in rows_of[n])
         print(f"{n:>14}: {steps:3d} steps, {step_cost(cfgs[n], 0):3d} fwd/image at step 0, train wall {wall:6.1f} s | "

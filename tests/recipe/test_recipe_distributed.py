@@ -71,32 +71,39 @@ def test_same_step_on_one_and_two_processes(lora_runs, full_kl_runs, which):
     assert_same_step(runs[1], runs[2])
 
 
-# The fast strategies' presets, each with one more option switched on where it fits: MixGRPO-Flash with GRPO-Guard's
-# RatioNorm (Flow-SDE), Flow-GRPO-Fast with CPS and two updates a step (so the second block is off-policy).
-STRATEGIES = {
+# The strategy and objective presets, each with one more option switched on where it fits: MixGRPO-Flash with
+# GRPO-Guard's RatioNorm (Flow-SDE), Flow-GRPO-Fast with CPS and two updates a step (so the second block is
+# off-policy), DiffusionNFT with its KL to the base model, AWM with its EMA anchor. The last number is the step's
+# forwards per image: the step-0 window is [0, 2), so Flash's tail has floor((6 - 1) * 0.5) = 2 points (one solver
+# step after the window); nft/awm roll out all 6 steps, then per noise level 3 + the lagging forward (+ the KL's).
+PRESETS = {
     "mixgrpo_flash": ("recipes/configs/tiny/mixgrpo_flash_lora.yaml", ["grpo.ratio_norm=true"], 3 + 3 * 2),
     "flowgrpo_fast": ("recipes/configs/tiny/flowgrpo_fast_lora.yaml", ["batch.updates_per_step=2"], 6 + 3 * 2),
+    "nft": ("recipes/configs/tiny/nft_lora.yaml", ["matching.kl_coef=1e-4"], 6 + 2 * (3 + 1 + 1)),
+    "awm": ("recipes/configs/tiny/awm_lora.yaml", [], 6 + 2 * (3 + 1)),
 }
 
 
-@pytest.fixture(scope="module", params=list(STRATEGIES))
-def strategy_runs(request, tmp_path_factory):
-    preset, extra, _ = STRATEGIES[request.param]
+@pytest.fixture(scope="module", params=list(PRESETS))
+def preset_runs(request, tmp_path_factory):
+    preset, extra, _ = PRESETS[request.param]
     tmp = tmp_path_factory.mktemp(request.param)
     # SMALL keeps 4 steps; the windows need 6 (two trained, MixGRPO's last two never).
     runs = {n: one_step(tmp, n, preset, ["optim.lr=1e-2", "sampling.num_steps=6", *extra]) for n in (1, 2)}
     return request.param, runs
 
 
-def test_fast_strategies_keep_the_invariants(strategy_runs):
-    """Windowed SDE (MixGRPO / Flow-GRPO-Fast), the DPM-Solver++ tail, CPS and RatioNorm: the first-pass ratio is
-    exactly 1, and one step is the same on 1 and on 2 processes. forwards_per_image counts the step's compute: the
-    step-0 window is [0, 2), so Flash's tail has floor((6 - 1) * 0.5) = 2 points (one solver step after the window)."""
-    name, runs = strategy_runs
-    for n in (1, 2):
-        assert runs[n]["stats"]["ratio_max_dev"] == 0.0, runs[n]["stats"]
+def test_strategies_and_objectives_keep_the_invariants(preset_runs):
+    """Windowed SDE (MixGRPO / Flow-GRPO-Fast), the DPM-Solver++ tail, CPS, RatioNorm, DiffusionNFT and AWM: the
+    first-pass ratio is exactly 1 where there is one, and one step is the same on 1 and on 2 processes."""
+    name, runs = preset_runs
+    if name not in ("nft", "awm"):
+        for n in (1, 2):
+            assert runs[n]["stats"]["ratio_max_dev"] == 0.0, runs[n]["stats"]
+    else:
+        assert "ratio_max_dev" not in runs[2]["stats"]  # no transition log-prob: nothing to log
     assert_same_step(runs[1], runs[2])
-    assert runs[2]["stats"]["forwards_per_image"] == STRATEGIES[name][2]
+    assert runs[2]["stats"]["forwards_per_image"] == PRESETS[name][2]
     if name == "flowgrpo_fast":
         assert runs[2]["stats"]["clip_frac"] > 0.0  # the second, off-policy block is clipped at 1e-5
 

@@ -261,6 +261,24 @@ def test_nft_equal_rewards_at_old_policy_give_zero_gradient(beta):
     assert bool((after < before).all())
 
 
+def test_nft_weight_floor_keeps_exact_predictions_finite():
+    """A sample whose x̂0 error is exactly zero (t = 0: x̂0 = x_t = x0) hits the 1e-5 floor of w^±: its loss and
+    gradient are 0, not 0/0; the others match the source transcription."""
+    shape = (3, 2, 4, 4)
+    x0, eps, _, v_old, v_theta, adv = _batch(shape, seed=13)
+    t = torch.tensor([0.0, 0.5, 0.8])
+    vt = _leaf32(v_theta)
+    loss, stats = nft_loss(vt, v_old, forward_noise(x0, eps, t), x0, t, optimality_weight(adv, A_MAX), 0.5, A_MAX)
+    loss.backward()
+    assert math.isfinite(float(loss.detach())) and bool(torch.isfinite(vt.grad).all())
+    assert float(vt.grad[0].abs().max()) == 0.0 and float(vt.grad[1:].abs().max()) > 0
+    v64 = _leaf64(v_theta)
+    ref, _, _ = ref_nft(v64, v_old.double(), x0.double(), eps.double(), t.double(), adv.double(), 0.5, A_MAX)
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=2e-5, atol=0)
+    torch.testing.assert_close(vt.grad.double(), v64.grad, rtol=1e-4, atol=1e-7)
+
+
 def test_nft_positive_only_beta_one_is_self_normalised_x0_matching():
     """r = 1, beta = 1: loss = A_max · mean_B[mean_D (x̂0_θ - x0)² / sg(mean_D |x̂0_θ - x0|)], independent of v_old."""
     shape = (4, 3, 5, 6)
