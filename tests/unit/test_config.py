@@ -290,7 +290,7 @@ def _yaml_keys(d: dict, prefix: str = "") -> set[str]:
 def test_every_preset_lists_every_setting(preset):
     """Copy-and-edit presets show everything they use: every schema key is written out (a section set to null, such
     as lora: null or sampling.window: null, stands for its keys; profile's details are needed only with profile.steps,
-    and a window's placement uses only its own keys)."""
+    and a window's placement and an objective use only their own keys)."""
     import yaml
 
     from grpo.config import RecipeConfig
@@ -305,6 +305,9 @@ def test_every_preset_lists_every_setting(preset):
     if window is not None:
         other = ("high",) if window["placement"] == "progressive" else ("shift_every", "stride")
         unused |= {f"sampling.window.{k}" for k in other}
+    if raw["matching"] is not None:
+        other = ("huber_p", "anchor_coef") if raw["algorithm"] == "nft" else ("beta",)
+        unused |= {f"matching.{k}" for k in other}
     missing = {k for k in _schema_keys(RecipeConfig) - written - unused
                if not any(k.startswith(n + ".") for n in nulls)}
     assert not missing, f"{preset.name} does not list {sorted(missing)}"

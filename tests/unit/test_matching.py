@@ -92,8 +92,8 @@ def ref_awm_log_prob(noise_pred, timestep, clean_latents, random_noise, ghuber_p
     model_output = noise_pred.double()
     log_prob = -(model_output - (random_noise.double() - clean_latents.double())) ** 2
     log_prob = log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
-    log_prob = -(torch.pow(-log_prob + 1e-10, ghuber_power)
-                 - torch.pow(torch.tensor(1e-10, dtype=log_prob.dtype), ghuber_power)) * timestep.view(-1) / ghuber_power
+    floor = torch.pow(torch.tensor(1e-10, dtype=log_prob.dtype), ghuber_power)
+    log_prob = -(torch.pow(-log_prob + 1e-10, ghuber_power) - floor) * timestep.view(-1) / ghuber_power
     return log_prob
 
 
@@ -312,8 +312,8 @@ def test_nft_positive_only_beta_one_is_self_normalised_x0_matching():
 
 
 def test_nft_small_beta_limit():
-    """As beta → 0 the loss grows like C/beta with C = A_max·mean_B[mean_D R²/w] independent of v_theta (R = x̂0_old - x0,
-    w = max(mean_D|R|, 1e-5)), so it stays finite for every beta > 0, while the gradient converges to the bounded
+    """As beta → 0 the loss grows like C/beta with C = A_max·mean_B[mean_D R²/w] independent of v_theta
+    (R = x̂0_old - x0, w = max(mean_D|R|, 1e-5)), so it stays finite for every beta > 0, while the gradient converges to the bounded
     (A_max/B)·(2t/D)·(1 - 2r)·R/w: a reward-signed push of x̂0_θ towards (r > 1/2) or away from (r < 1/2) x0 that no
     longer depends on v_theta - v_old. At beta = 0 exactly the loss is C/0 (inf) and the gradient inf·0 (nan): beta
     must be > 0."""
