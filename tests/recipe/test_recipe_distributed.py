@@ -48,7 +48,7 @@ def test_ratio_is_one_on_the_first_pass_with_batched_rollouts(lora_runs, full_kl
     assert full_kl_runs[2]["stats"]["clip_frac"] > 0.0  # the second update block is off-policy and gets clipped
 
 
-def assert_same_step(one: dict, two: dict) -> None:
+def assert_same_step(one: dict, two: dict, rel: float = 1e-5) -> None:
     """The same rewards, advantages and (up to rounding) updated weights on 1 and on 2 processes."""
     assert two["world"] == 2
     torch.testing.assert_close(two["rewards"], one["rewards"], rtol=1e-5, atol=1e-6)
@@ -59,7 +59,7 @@ def assert_same_step(one: dict, two: dict) -> None:
         w2 = two["after"][name]
         # Relative to the tensor's norm: Adam's first step is ~lr*sign(g), so an element whose gradient is ~0 can
         # move by rounding-level amounts (seen: 7 of 115k elements, 2e-7 absolute, at lr 1e-2).
-        assert (w2 - w1).norm() <= 1e-5 * w1.norm(), name
+        assert (w2 - w1).norm() <= rel * w1.norm(), name
         assert (w2 - w1).abs().max() <= 1e-5, name  # 0.1% of one Adam step at lr 1e-2
         moved += int(not torch.equal(w1, one["before"][name]))
     assert moved > 0  # the step did update the weights
@@ -102,7 +102,9 @@ def test_strategies_and_objectives_keep_the_invariants(preset_runs):
             assert runs[n]["stats"]["ratio_max_dev"] == 0.0, runs[n]["stats"]
     else:
         assert "ratio_max_dev" not in runs[2]["stats"]  # no transition log-prob: nothing to log
-    assert_same_step(runs[1], runs[2])
+    # With RatioNorm the loss and the gradient norm agree to 1e-11, but its 1/dt reweighting makes the gradients
+    # ~10x larger and more elements sit near Adam's sign flip: measured 1.1e-5 of the norm (max 5e-6 absolute).
+    assert_same_step(runs[1], runs[2], rel=3e-5 if name == "mixgrpo_flash" else 1e-5)
     assert runs[2]["stats"]["forwards_per_image"] == PRESETS[name][2]
     if name == "flowgrpo_fast":
         assert runs[2]["stats"]["clip_frac"] > 0.0  # the second, off-policy block is clipped at 1e-5
