@@ -20,6 +20,7 @@ Per device it counts:
   rollout        the full gathered weights (deepspeed.gather_for_rollout) or ZeRO-3's in-flight parameters, and the
                  peak of live tensors of one no-grad forward (traced), plus the trajectories kept until the update.
   reference      full fine-tune with kl_coef > 0: a second set of weight partitions; LoRA: nothing (adapters off).
+  averages       fp32 shards of the trained weights: the eval EMA (ema.decay), nft/awm's lagging policy.
   VAE, rewards   weights (unless offloaded: they then visit the device for their phase only), the decode's peak.
   comm buffers   ZeRO-3's reduce bucket (reduce_bucket_size elements, resident), the prefetch bucket and the largest
                  module in flight, the fp32 copy of a sub-group's gradients at the optimizer step (b < 4).
@@ -403,9 +404,17 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
     for k in ("weights", "gradients", "master", "optimizer"):
         to_host = zero["offload_param"] if k == "weights" else zero["offload_optimizer"]
         (host if to_host else resident)[k] = states[k]
-    if cfg.grpo.kl_coef > 0 and cfg.lora is None:
+    kl_coef = cfg.matching.kl_coef if cfg.matching is not None else cfg.grpo.kl_coef
+    if kl_coef > 0 and cfg.lora is None:
         ref = model_states([(n, False) for n, _ in params], devices, b, zero, optimizer=False)["weights"]
         (host if zero["offload_param"] else resident)["reference"] = ref
+
+    # Sharded fp32 averages of the trained weights (grpo/ema.py): the eval EMA, and nft/awm's lagging policy.
+    average = 4 * math.ceil(n_train / devices)
+    if cfg.ema.decay:
+        resident["EMA"] = average
+    if cfg.matching is not None:
+        resident["lagging policy"] = average
 
     activations, backward = t.update_bytes(cfg.model.gradient_checkpointing)
     r = layout.rollout_micro_batch_size  # rollouts, reference and eval run without gradients at this micro-batch
@@ -430,8 +439,11 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
     resident["reduce bucket"] = zero["reduce_bucket_size"] * b if zero["contiguous_gradients"] else 0
     # What the rollout keeps until the update, per sample: float32 latents of every step, the conditioning (text
     # embeddings in the model dtype), the decoded float32 image.
-    per_sample = ((cfg.sampling.num_steps + 1) * image_tokens * transformer_config["in_channels"] * 4
+    latent_bytes = image_tokens * transformer_config["in_channels"] * 4
+    per_sample = ((cfg.sampling.num_steps + 1) * latent_bytes
                   + text_tokens * transformer_config["joint_attention_dim"] * b + 3 * cfg.sampling.resolution**2 * 4)
+    if cfg.matching is not None:  # per noise level: x_t, eps, the lagging velocity, the reference's (KL)
+        per_sample += layout.trained_transitions * (3 + (kl_coef > 0)) * latent_bytes
     trajectories = layout.samples_per_rank * per_sample
     gathered = n_params * b if cfg.deepspeed.gather_for_rollout else in_flight
     opt_step = min(zero["sub_group_size"], math.ceil(n_train / devices)) * 4 if b < 4 else 0
@@ -446,7 +458,7 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
                    "params in flight": in_flight},
         "optimizer step": ({"fp32 gradient copy": opt_step} if opt_step and not zero["offload_optimizer"] else {}),
     }
-    if cfg.grpo.kl_coef > 0:
+    if kl_coef > 0 or cfg.matching is not None:
         lora_gather = cfg.lora is not None and cfg.deepspeed.gather_for_rollout
         phases["reference"] = {"rollout batch": trajectories, "reference activations": rollout_peak,
                                "gathered weights" if lora_gather else "params in flight":
