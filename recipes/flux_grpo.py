@@ -233,7 +233,7 @@ class FluxGRPORecipe:
         self.save_final()
 
     def step(self, step: int, phase=None) -> StepResult:
-        """One GRPO step: rollout -> reward -> advantage -> reference -> update (-> EMA).
+        """One training step: rollout -> reward -> advantage -> reference -> update (-> EMA, lagging policy).
 
         `phase(name)`, when given, returns a context held around the "rollout", "reward" and "train" parts (the
         tools' recording windows); the parts are timed either way.
@@ -256,8 +256,8 @@ class FluxGRPORecipe:
                    "time/update_s": clock.seconds["train"], "step_time_s": clock.total,
                    "samples_per_s": self.layout.samples_per_step / clock.total}
         # Transformer compute per image in forward-equivalents (a backward counts 2): what strategies trade.
-        trained, lagging = len(chunks[0].trained), self.lagging is not None and self._uses_lagging_velocity
-        cost = chunks[0].traj.nfe + trained * (3 + (self.kl_coef > 0) + lagging)
+        trained = len(chunks[0].trained)
+        cost = chunks[0].traj.nfe + trained * (3 + (self.kl_coef > 0) + self._uses_lagging_velocity)
         return StepResult(chunks, rewards, advantages, {**reward_stats, **adv_stats, **update.metrics(), **timings,
                                                         "forwards_per_image": float(cost)})
 
