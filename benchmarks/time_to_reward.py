@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,7 @@ from grpo.config import load_config  # noqa: E402
 from grpo.layout import trained_transitions  # noqa: E402
 from grpo.solvers import tail_points  # noqa: E402
 from grpo.windows import rollout_window  # noqa: E402
+from tools.launch import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,7 +85,8 @@ def run(name: str, overrides: list[str], steps: int, eval_every: int, out: Path,
         return [json.loads(line) for line in metrics.read_text().splitlines()]
     cmd = ["bash", str(ROOT / "launch" / "run.sh"), STRATEGIES[name][0], *overrides, f"output_dir={run_dir}",
            f"max_steps={steps}", f"logging.eval_every={eval_every}", "checkpoint.every=0", "logging.progress=false"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    env = {**os.environ, "MASTER_PORT": str(free_port())}  # two benchmarks (or a run) on one machine must not collide
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-4000:]}")
     return [json.loads(line) for line in metrics.read_text().splitlines()]
