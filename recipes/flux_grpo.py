@@ -190,7 +190,9 @@ class FluxGRPORecipe:
         """None when kl_coef = 0; the policy itself with adapters disabled for LoRA; else a sharded frozen copy."""
         if self.kl_coef == 0 or self.cfg.lora is not None:
             return None
-        return eng.build_reference(self.load_transformer(self.model_path, self.dtype), self.ds_config)
+        transformer = self.load_transformer(self.model_path, self.dtype)
+        dev.set_attention_backend(transformer, self.cfg.model.attention_backend)  # the policy's kernels, or the KL
+        return eng.build_reference(transformer, self.ds_config)                   # would measure their difference
 
     def _log_layout(self) -> None:
         lay = self.layout
