@@ -67,3 +67,11 @@ def test_zero3_memory_smoke_and_planner_accuracy():
     line = next(x for x in lines if x.startswith("planner vs measured model states"))
     assert float(line.rsplit(" ", 1)[1].rstrip("%")) <= 15.0, line
     assert any(line.strip().startswith("zero3") and "model copies" in line for line in lines)
+
+
+def test_time_to_reward_smoke(tmp_path):
+    """Two strategies on a 2-step budget: the cost model agrees with what the runs log, and the table is printed."""
+    lines = run("time_to_reward.py", "--smoke", "--out", str(tmp_path))
+    assert re.fullmatch(r"time_to_reward_speedup: [0-9.]+", lines[-1]), lines[-1]
+    assert any(line.strip().startswith("mixgrpo_flash:") and "fwd/image" in line for line in lines)
+    assert (tmp_path / "time_to_reward.png").is_file()
