@@ -14,6 +14,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch.distributed as dist
+
 from grpo import checkpoint, lock, metrics, prompts
 from grpo.config import RecipeConfig
 from grpo.layout import Layout, derive_layout
@@ -146,7 +148,8 @@ def check_inputs(cfg: RecipeConfig, world_size: int) -> Inputs:
     check_rewards(cfg.rewards)
     metrics.check_wandb(cfg.logging.wandb)
     check_output_dir(cfg.output_dir)
-    lock.check_free(cfg.output_dir)
+    if not dist.is_initialized():  # the recipe's ranks: rank 0 takes the lock next (grpo/lock.py take), or fails alike
+        lock.check_free(cfg.output_dir)
     # Structure only: hashing every checkpoint file takes minutes for FLUX.1-dev, a job the recipe's ranks share, and
     # `auto` may move a broken checkpoint aside, which a check must not do.
     checkpoint.resume_point(cfg, world_size, check=checkpoint.structure)

@@ -99,11 +99,13 @@ def grace_seconds() -> float:
 
 def exit_code(failures: dict) -> tuple[int, str | None]:
     """The job's exit code from torchrun's failures {rank: ProcessFailure}, and a line to print (None: the recipe
-    printed its own)."""
-    first = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
-    rank, failure = first
-    if failure.exitcode in PASSED_ON:
-        return failure.exitcode, None
+    printed its own). A worker's 2 or 3 wins over the others' failures, which follow from it (a rank that left
+    breaks its peers' collectives, then torchrun stops them)."""
+    ranked = sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+    for rank, failure in ranked:
+        if failure.exitcode in PASSED_ON:
+            return failure.exitcode, None
+    rank, failure = next(((r, f) for r, f in ranked if f.exitcode > 0), ranked[0])
     how = (f"was killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
            else f"exited with code {failure.exitcode}")
     return 1, f"[launch] rank {rank} {how} (see its output above); exit 1"
