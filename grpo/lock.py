@@ -28,12 +28,13 @@ LOCK = ".lock"
 
 
 def _process_start(pid: int) -> str | None:
-    """The kernel's start time of `pid` (clock ticks since boot; tells a reused pid apart), None if it is gone."""
+    """The kernel's start time of `pid` (clock ticks since boot; tells a reused pid apart), None if it is gone (a
+    zombie counts as gone: a container's PID 1 may never reap it). "" where /proc cannot tell."""
     try:
-        stat = Path("/proc", str(pid), "stat").read_text()
+        fields = Path("/proc", str(pid), "stat").read_text().rsplit(")", 1)[1].split()  # after "(comm)": field 3 on
     except OSError:
         return None if not _alive(pid) else ""
-    return stat.rsplit(")", 1)[1].split()[19]  # field 22
+    return None if fields[0] in ("Z", "X") else fields[19]  # state (field 3), starttime (field 22)
 
 
 def _alive(pid: int) -> bool:

@@ -7,6 +7,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -53,3 +54,17 @@ def test_stale_lock_is_reported_and_taken_over(tmp_path, caplog, case):
     assert json.loads((out / lock.LOCK).read_text())["pid"] != 1
     held.release()
     assert out.is_dir() and not (out / lock.LOCK).exists()  # it existed before: kept
+
+
+def test_a_zombie_holder_is_stale(tmp_path):
+    """A killed job's rank 0 left unreaped (a container's PID 1 may never reap it) does not hold the lock."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while lock._process_start(child.pid) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)  # exits, stays a zombie until waited for
+    out = tmp_path / "run"
+    _write_lock(out, child.pid)
+    try:
+        lock.check_free(out)
+    finally:
+        child.wait()
