@@ -12,7 +12,8 @@ runs in this process with two changes:
 - Preemption: torchrun answers SIGTERM/SIGINT by terminating its workers within 30 s, too short for a FLUX.1-dev step
   and its checkpoint. Here the signal is forwarded to the workers, which finish the step, save a checkpoint and
   exit 0 (grpo/health.py); workers still running GRACE_S seconds (environment, default 600) after the first signal
-  are killed and the job exits 1. A second SIGINT is forwarded too (the workers then stop at once).
+  are killed and the job exits 1. A second SIGINT is forwarded too (the workers then stop at once). A signal before
+  any worker has started stops the launch (exit 1).
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ class Forwarder:
 
     def __call__(self, signum: int, frame) -> None:
         pids = self._send(signum)
+        if not pids and self.timer is None:  # no worker yet: nothing to save, stop here (torchrun cleans up)
+            print(f"[launch] {signal.Signals(signum).name} before any worker started: stopping; exit 1",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(1)
         print(f"[launch] {signal.Signals(signum).name}: passed to {len(pids)} workers, which finish the step, save a "
               f"checkpoint and exit; killed if still running after {GRACE_ENV}={self.grace_s:g}s", file=sys.stderr,
               flush=True)
