@@ -55,6 +55,7 @@ from grpo import device as dev
 from grpo.compat import check_compatible
 from grpo.config import RecipeConfig, to_dict
 from grpo.errors import ConfigError
+from grpo.lock import LOCK
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,9 @@ def _share(names: list[str], rank: int, world: int) -> list[str]:
     return sorted(names)[rank::world]
 
 
-def verify_share(path: Path, meta: dict, rank: int = 0, world: int = 1) -> str | None:
-    """Check this rank's share of a checkpoint's files against meta.json; None if fine, else the reason."""
+def verify_share(path: Path, meta: dict, rank: int = 0, world: int = 1, hashes: bool = True) -> str | None:
+    """Check this rank's share of a checkpoint's files against meta.json; None if fine, else the reason.
+    hashes=False: presence and sizes only (what :func:`structure` checks)."""
     for name in _share(list(meta["files"]), rank, world):
         size, digest = meta["files"][name]
         f = path / name
@@ -123,9 +125,18 @@ def verify_share(path: Path, meta: dict, rank: int = 0, world: int = 1) -> str |
             return f"{name} is missing"
         if f.stat().st_size != size:
             return f"{name} has {f.stat().st_size} bytes, expected {size} (truncated?)"
-        if _sha256(f) != digest:
+        if hashes and _sha256(f) != digest:
             return f"{name} does not match its sha256 (corrupted)"
     return None
+
+
+def structure(path: str | Path) -> str | None:
+    """The structural part of :func:`verify`, for the start-up checks before any rank starts: meta.json readable, every
+    file it lists present with its size. Never hashes (minutes for FLUX.1-dev) and is never collective."""
+    try:
+        return verify_share(Path(path), read_meta(path), hashes=False)
+    except ValueError as e:
+        return str(e)
 
 
 def _collective() -> bool:
@@ -172,14 +183,17 @@ def _quarantine(path: Path) -> None:
         dist.barrier()
 
 
-def newest_valid(root: Path, move_aside: bool = False) -> Path | None:
-    """The newest checkpoint under `root` that verifies; newer invalid ones are reported (and, when resuming, moved
-    aside to `.invalid-<name>-<time>` so that they are neither tried again nor counted among the kept ones)."""
+def newest_valid(root: Path, move_aside: bool = False,
+                 check: Callable[[Path], str | None] = verify) -> Path | None:
+    """The newest checkpoint under `root` that passes `check` (:func:`verify`; :func:`structure` checks quietly);
+    newer invalid ones are reported (and, when resuming, moved aside to `.invalid-<name>-<time>` so that they are
+    neither tried again nor counted among the kept ones)."""
     for path in list_checkpoints(root):
-        reason = verify(path)
+        reason = check(path)
         if reason is None:
             return path
-        _warn("checkpoint %s is incomplete or corrupted (%s); using the previous one", path, reason)
+        if check is verify:
+            _warn("checkpoint %s is incomplete or corrupted (%s); using the previous one", path, reason)
         if move_aside:
             _quarantine(path)
     return None
@@ -196,7 +210,7 @@ _FIXES = {
 
 
 def find_checkpoint(path: str | Path, setting: str = "checkpoint", required: bool = True,
-                    move_aside: bool = False) -> Path | None:
+                    move_aside: bool = False, check: Callable[[Path], str | None] = verify) -> Path | None:
     """A verified checkpoint folder from a checkpoint folder or a run folder (its newest valid checkpoint).
 
     Args:
@@ -204,6 +218,7 @@ def find_checkpoint(path: str | Path, setting: str = "checkpoint", required: boo
         setting: The config key or argument to name in errors (``checkpoint`` or ``checkpoint.resume``).
         required: False: None instead of an error when the path or a valid checkpoint in it is missing.
         move_aside: Move invalid newer checkpoints of a run folder aside (see :func:`newest_valid`).
+        check: :func:`verify` (collective under torch.distributed), or :func:`structure` (no hashing).
 
     Raises:
         ConfigError: The path does not exist, a run folder holds no valid checkpoint, or the checkpoint fails
@@ -212,7 +227,7 @@ def find_checkpoint(path: str | Path, setting: str = "checkpoint", required: boo
     path = Path(path)
     no_valid, missing, unusable = _FIXES[setting]
     if checkpoint_step(path) is None and (path / "checkpoints").is_dir():  # a run folder
-        found = newest_valid(path / "checkpoints", move_aside=move_aside)
+        found = newest_valid(path / "checkpoints", move_aside=move_aside, check=check)
         if found is None and required:
             raise ConfigError(f"{setting}: {path} holds no valid checkpoint; {no_valid.format(path=path)}")
         return found
@@ -220,25 +235,34 @@ def find_checkpoint(path: str | Path, setting: str = "checkpoint", required: boo
         if not required:
             return None
         raise ConfigError(f"{setting}: {path} does not exist; {missing}")
-    reason = verify(path)
+    if checkpoint_step(path) is None and not (path / META).exists():
+        raise ConfigError(f"{setting}: {path} is neither a checkpoint (no {META}) nor a run folder (no checkpoints/); "
+                          f"{missing}")
+    reason = check(path)
     if reason is not None:
         raise ConfigError(f"{setting}: {path} is not a usable checkpoint ({reason}); {unusable}")
     return path
 
 
 def _non_empty(out: Path) -> bool:
-    return out.exists() and (not out.is_dir() or any(out.iterdir()))
+    """output_dir holds something besides its lock (grpo/lock.py), or is a file."""
+    return out.exists() and (not out.is_dir() or any(p.name != LOCK for p in out.iterdir()))
 
 
-def resume_point(cfg: RecipeConfig, world_size: int) -> Path | None:
+def resume_point(cfg: RecipeConfig, world_size: int, check: Callable[[Path], str | None] = verify) -> Path | None:
     """Where this run starts: None for a fresh start, else a verified, compatible checkpoint folder.
 
     Runs before any model is loaded and never writes, except moving an invalid checkpoint aside under
-    `checkpoint.resume: auto`. Collective under torch.distributed.
+    `checkpoint.resume: auto`. Collective under torch.distributed. check=:func:`structure`: the start-up checks'
+    version (grpo/inputs.py), which neither hashes nor moves anything.
+
+    `auto` starts from step 0 only when output_dir has never held a checkpoint: when every one is damaged, the run
+    stops instead of silently dropping its progress (to start over: checkpoint.resume=null and a new output_dir).
 
     Raises:
-        ConfigError: output_dir holds files but checkpoint.resume is null; the resume path does not exist, is not a
-            checkpoint, fails verification, or was written by another preset or world size.
+        ConfigError: output_dir holds files but checkpoint.resume is null; every checkpoint of an `auto` run is
+            damaged; the resume path does not exist, is not a checkpoint, fails verification, or was written by
+            another preset or world size.
     """
     out, resume = Path(cfg.output_dir), cfg.checkpoint.resume
     if resume is None:
@@ -248,13 +272,25 @@ def resume_point(cfg: RecipeConfig, world_size: int) -> Path | None:
                 "output_dir"
             )
         return None
+    moving = check is verify
     if resume == "auto":
-        path = newest_valid(out / "checkpoints", move_aside=True)
+        root = out / "checkpoints"
+        path = newest_valid(root, move_aside=moving, check=check)
         if path is None:
-            _warn("checkpoint.resume=auto: no valid checkpoint under %s; starting from step 0", out / "checkpoints")
+            damaged = [p.name for p in root.iterdir() if checkpoint_step(p) is not None
+                       or p.name.startswith(".invalid-step_")] if root.is_dir() else []
+            if damaged:
+                raise ConfigError(
+                    f"checkpoint.resume: auto finds no valid checkpoint under {root}, only damaged ones "
+                    f"({len(damaged)}{', moved aside as .invalid-*' if moving else ''}); resuming would drop the run's "
+                    "progress. To start over, set checkpoint.resume=null and choose a new output_dir"
+                )
+            if moving:
+                _warn("checkpoint.resume=auto: no checkpoint under %s yet; starting from step 0", root)
             return None
     else:
-        path = find_checkpoint(resume, "checkpoint.resume", move_aside=Path(resume).resolve() == out.resolve())
+        path = find_checkpoint(resume, "checkpoint.resume", check=check,
+                               move_aside=moving and Path(resume).resolve() == out.resolve())
     check_compatible(path, read_meta(path), cfg, world_size)
     return path
 

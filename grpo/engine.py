@@ -19,8 +19,8 @@ import torch
 from peft import LoraConfig as PeftLoraConfig
 
 from grpo.config import LoraConfig
-from grpo.errors import ConfigError
 from grpo.export import write_transformer
+from grpo.inputs import check_lora_targets
 
 
 def precision(ds: dict) -> torch.dtype:
@@ -45,16 +45,6 @@ def add_lora(transformer: torch.nn.Module, lora: LoraConfig) -> None:
             target_modules=lora.target_modules,
         )
     )
-
-
-def check_lora_targets(transformer: torch.nn.Module, targets: list[str]) -> None:
-    """Every lora.target_modules entry must name a module: PEFT skips an entry that matches nothing (a typo trains
-    fewer layers than asked) and fails with a traceback only when none match."""
-    names = [name for name, _ in transformer.named_modules()]
-    for target in targets:
-        if not any(n == target or n.endswith(f".{target}") for n in names):  # PEFT's rule for a list of names
-            raise ConfigError(f"lora.target_modules: {target!r} matches no module of the transformer; use module "
-                              "names such as to_q, to_k, to_v, to_out.0 (see transformer.named_modules())")
 
 
 def build_reference(transformer: torch.nn.Module, ds: dict):

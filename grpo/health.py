@@ -11,8 +11,9 @@ step would be applied on the other ranks' data), all-reduces the count, and chec
 (exit code 3): something upstream is broken.
 
 Preemption. SIGTERM or SIGINT only sets a flag; at the end of the step the ranks agree (all-reduce) to stop, save a
-checkpoint and exit 0, and ``checkpoint.resume=auto`` continues the run exactly. Under torchrun send the signal to the
-worker processes: torchrun itself reacts to SIGTERM by terminating its workers after a 30 s grace period.
+checkpoint and exit 0, and ``checkpoint.resume=auto`` continues the run exactly. launch/run.sh and launch/multinode.sh
+--torchrun pass the signal on to the workers (tools/torchrun.py); under a plain torchrun send it to the worker
+processes: torchrun itself reacts to SIGTERM by terminating its workers after a 30 s grace period.
 
 Fault injection (tests only): ``GRPO_FAULT_INJECT="nan_reward@2,nan_loss@3:1"`` turns this rank's rewards (or
 losses) of step 2 (step 3, rank 1 only) into NaN.

@@ -1,19 +1,22 @@
 """Start-up checks of a preset against this machine, shared by the recipe and launch/*.sh.
 
 Batch arithmetic for the world size, the model folder, the DeepSpeed JSON, prompt files, rewards and output_dir, each
-failing with one line that names the setting and the fix. It imports neither diffusers nor DeepSpeed, so the
-launchers run it (``python -m tools.check``) in a few seconds before torchrun, which would turn the recipe's exit
-code 2 into 1.
+failing with one line that names the setting and the fix. It imports no DeepSpeed, and diffusers only to check LoRA
+targets against the transformer built on the meta device (no weights), so the launchers run it
+(``python -m tools.check``) in a few seconds before torchrun: a bad setting costs no rank's imports.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo import checkpoint, metrics, prompts
+import torch.distributed as dist
+
+from grpo import checkpoint, lock, metrics, prompts
 from grpo.config import RecipeConfig
 from grpo.layout import Layout, derive_layout
 from grpo.errors import ConfigError
@@ -87,22 +90,67 @@ def load_ds_config(path: str, cfg: RecipeConfig, layout: Layout) -> dict:
     return ds
 
 
-def check_inputs(cfg: RecipeConfig, world_size: int) -> Inputs:
-    """The recipe's start-up checks that need no model, accelerator or process group.
+def check_lora_targets(transformer, targets: list[str]) -> None:
+    """Every lora.target_modules entry must name a module: PEFT skips an entry that matches nothing (a typo trains
+    fewer layers than asked) and fails with a traceback only when none match."""
+    names = [name for name, _ in transformer.named_modules()]
+    for target in targets:
+        if not any(n == target or n.endswith(f".{target}") for n in names):  # PEFT's rule for a list of names
+            raise ConfigError(f"lora.target_modules: {target!r} matches no module of the transformer; use module "
+                              "names such as to_q, to_k, to_v, to_out.0 (see transformer.named_modules())")
 
-    Batch arithmetic for `world_size`, the model folder (or hub cache), the DeepSpeed JSON, prompt files, rewards
-    (names, options, model files), wandb, and an empty output_dir for a new run.
+
+def check_lora_targets_on_config(model_path: str, targets: list[str]) -> None:
+    """:func:`check_lora_targets` on the transformer built from its config.json on the meta device (no weights)."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    config = FluxTransformer2DModel.load_config(Path(model_path) / "transformer")
+    with torch.device("meta"):
+        transformer = FluxTransformer2DModel.from_config(config)
+    check_lora_targets(transformer, targets)
+
+
+def check_output_dir(path: str) -> None:
+    """output_dir can be created and written: no file in its way, a writable folder (probed, then removed)."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output_dir: {out} is a file; choose a folder")
+    parent = out
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"output_dir: {out} cannot be created: {parent} is a file; choose another output_dir")
+    try:
+        probe = tempfile.mkdtemp(prefix=".grpo-write-probe-", dir=parent)
+        os.rmdir(probe)
+    except OSError as e:
+        raise ConfigError(f"output_dir: {out} cannot be {'written' if parent == out else 'created'}: {parent} is "
+                          f"not writable ({e.strerror}); choose a writable output_dir") from None
+
+
+def check_inputs(cfg: RecipeConfig, world_size: int) -> Inputs:
+    """The recipe's start-up checks that need no model weights, accelerator or process group.
+
+    Batch arithmetic for `world_size`, the model folder (or hub cache), LoRA targets (against the model's config),
+    the DeepSpeed JSON, prompt files, rewards (names, options, model files), wandb, output_dir (writable, no other
+    job's lock, empty for a new run), and the resume checkpoint's structure (meta.json, files present; the ranks hash
+    the files).
     """
     layout = derive_layout(cfg, world_size)
     model_path = resolve_model_path(cfg.model.path, cfg.model.revision)
     ds_config = load_ds_config(cfg.deepspeed.config, cfg, layout)
+    if cfg.lora is not None:
+        check_lora_targets_on_config(model_path, cfg.lora.target_modules)
     prompts.read_prompt_file(cfg.data.train_prompts, "data.train_prompts")
     if cfg.data.eval_prompts:
         prompts.read_prompt_file(cfg.data.eval_prompts, "data.eval_prompts")
     check_rewards(cfg.rewards)
     metrics.check_wandb(cfg.logging.wandb)
-    # Only a new run's output_dir: resuming verifies every checkpoint file's hash (minutes for FLUX.1-dev), a job the
-    # recipe's ranks share, and `auto` may move a broken checkpoint aside, which a check must not do.
-    if cfg.checkpoint.resume is None:
-        checkpoint.resume_point(cfg, world_size)
+    check_output_dir(cfg.output_dir)
+    if not dist.is_initialized():  # the recipe's ranks: rank 0 takes the lock next (grpo/lock.py take), or fails alike
+        lock.check_free(cfg.output_dir)
+    # Structure only: hashing every checkpoint file takes minutes for FLUX.1-dev, a job the recipe's ranks share, and
+    # `auto` may move a broken checkpoint aside, which a check must not do.
+    checkpoint.resume_point(cfg, world_size, check=checkpoint.structure)
     return Inputs(layout, model_path, ds_config)

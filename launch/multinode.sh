@@ -7,6 +7,10 @@
 # exports ASCEND*/HCCL*/NCCL*/PATH/LD_LIBRARY* to the workers. MASTER_ADDR defaults to the first host of the file.
 # Without ssh (e.g. under a scheduler) run torchrun on each node instead:
 #   NNODES=4 NODE_RANK=$i MASTER_ADDR=head bash launch/multinode.sh --torchrun CONFIG [key=value ...]
+# Exit code: the workers' (0 done or stopped cleanly, 2 bad input, 3 too many skipped updates, 1 anything else).
+# Preemption: the --torchrun form passes SIGTERM/SIGINT to its node's workers, which finish the step, save and exit 0
+# (GRACE_S seconds at most, default 600; tools/torchrun.py). The hostfile form's DeepSpeed launcher does not: it stops
+# the workers at once, and the run continues from its last checkpoint with checkpoint.resume=auto.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 recipe=${RECIPE:-$root/recipes/flux_grpo.py}
@@ -31,7 +35,7 @@ if [[ $1 == --torchrun ]]; then
   shift
   config=$1
   shift
-  cmd=(python -m torch.distributed.run --nnodes "${NNODES:?set NNODES}" --node_rank "${NODE_RANK:?set NODE_RANK}"
+  cmd=(python -m tools.torchrun --nnodes "${NNODES:?set NNODES}" --node_rank "${NODE_RANK:?set NODE_RANK}"
        --nproc_per_node "${NPROC:-$count}" --master_addr "${MASTER_ADDR:?set MASTER_ADDR}"
        --master_port "${MASTER_PORT:-29500}" "$recipe" --config "$config" "$@")
   world=$(( NNODES * ${NPROC:-$count} ))
@@ -48,8 +52,7 @@ else
   cmd=(deepspeed --hostfile "$hostfile" --master_addr "$master" --master_port "${MASTER_PORT:-29500}"
        "$recipe" --config "$config" "$@")
 fi
-# A bad setting fails here, in one process that loads no model: the launchers would turn the recipe's exit code 2
-# into 1, and only after every rank had paid for its imports.
+# A bad setting fails here, in one process that loads no model, before every rank pays for its imports.
 python -m tools.check --world-size "$world" "$config" "$@"
 echo "[launch] ${cmd[*]}" >&2
 exec "${cmd[@]}"

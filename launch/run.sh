@@ -5,7 +5,10 @@
 #   NPROC=4 bash launch/run.sh recipes/configs/flux1_dev/grpo_lora.yaml output_dir=runs/exp1
 #   RECIPE=my_recipe.py bash launch/run.sh my_config.yaml
 #
-# Environment: NPROC (process count), RECIPE (recipe script), MASTER_PORT (default 29500).
+# Environment: NPROC (process count), RECIPE (recipe script), MASTER_PORT (default 29500), GRACE_S (seconds the
+# workers get to finish the step and save after SIGTERM/SIGINT, default 600).
+# Exit code: the workers' (0 done or stopped cleanly, 2 bad input, 3 too many skipped updates, 1 anything else).
+# SIGTERM/SIGINT to this script go to the workers (tools/torchrun.py), which finish the step, save and exit 0.
 set -euo pipefail
 if [[ $# -lt 1 ]]; then
   echo "usage: bash launch/run.sh CONFIG [key=value ...]" >&2
@@ -39,11 +42,10 @@ case $kind in
     ;;
 esac
 nproc_per_node=${NPROC:-$count}
-# A bad setting fails here, in one process that loads no model: under torchrun the recipe's exit code 2 would come
-# back as 1, and only after every rank had paid for its imports.
+# A bad setting fails here, in one process that loads no model, before every rank pays for its imports.
 python -m tools.check --world-size "$nproc_per_node" "$config" "$@"
 
-cmd=(python -m torch.distributed.run --nnodes 1 --nproc_per_node "$nproc_per_node"
+cmd=(python -m tools.torchrun --nnodes 1 --nproc_per_node "$nproc_per_node"
      --master_addr 127.0.0.1 --master_port "${MASTER_PORT:-29500}"
      "$recipe" --config "$config" "$@")
 echo "[launch] $kind x $nproc_per_node: ${cmd[*]}" >&2

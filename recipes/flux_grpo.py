@@ -54,6 +54,7 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -66,6 +67,7 @@ from grpo import device as dev
 from grpo import engine as eng
 from grpo import eval as evals
 from grpo import export, health
+from grpo import lock as out_lock
 from grpo.advantages import group_advantages
 from grpo.config import RecipeConfig, dump_config, load_config, to_dict
 from grpo.data import matching_noise, micro_batches, prompts_for_step, step_noise_generator, trained_steps
@@ -122,6 +124,8 @@ class FluxGRPORecipe:
         self.dtype = eng.precision(self.ds_config)
         dev.check_dtype_supported(self.dtype, "deepspeed.config precision")
         self.out = Path(cfg.output_dir)
+        # one job per output_dir: rank 0 holds output_dir/.lock until it exits, taken before anything is written
+        self.lock = out_lock.take(self.out, self.rank)
         self.resume_from = ckpt.resume_point(cfg, self.world)  # None: fresh start (output_dir must be empty)
         self.show_progress = self.rank == 0 and cfg.logging.progress
         self.kl_coef = cfg.matching.kl_coef if cfg.matching is not None else cfg.grpo.kl_coef  # 0: no reference
@@ -534,16 +538,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    # Every rank finds a bad setting or a skip streak alike; rank 0 alone prints the line, the others exit quietly
+    # with the same code, which the launchers pass on (tools/torchrun.py).
+    say = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)
     try:
         recipe = FluxGRPORecipe(load_config(args.config, args.overrides))
         recipe.setup()
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}", file=sys.stderr)
         return 2
     try:
         recipe.train()
     except health.TooManySkips as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}", file=sys.stderr)
         return health.EXIT_TOO_MANY_SKIPS
     except RuntimeError as e:  # a dead or hung rank surfaces here after faults.comm_timeout_s
         hint = health.comm_failure(e, recipe.cfg.faults.comm_timeout_s)

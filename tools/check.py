@@ -2,8 +2,8 @@
 
     python -m tools.check --world-size N CONFIG [key=value ...]
 
-launch/run.sh and launch/multinode.sh run it before torchrun (which would turn the recipe's exit code 2 into 1). It
-imports neither diffusers nor DeepSpeed, so it takes a few seconds. ``--help`` also lists every setting and reward
+launch/run.sh and launch/multinode.sh run it before torchrun, so that a bad setting costs no rank's imports. It
+imports neither DeepSpeed nor (unless LoRA targets are checked) diffusers, so it takes a few seconds. ``--help`` also lists every setting and reward
 option.
 """
 

@@ -1,14 +1,23 @@
 """Bad input, real processes: the launchers (launch/run.sh, launch/multinode.sh) exit 2 with one line before any rank
-starts, and so does a plain recipe process; output_dir is left as it was. The full table of bad inputs runs in process
-in tests/unit/test_bad_input.py.
+starts, and so does a plain recipe process; output_dir is left as it was. A bad input only the ranks can find still
+gives the launcher's exit 2 and one line; SIGTERM to the launcher stops the run cleanly (checkpoint, exit 0); a second
+job on a live output_dir exits 2. The full table of bad inputs runs in process in tests/unit/test_bad_input.py.
 """
 
 from __future__ import annotations
 
+import json
+import signal
+
 import pytest
 
+from grpo import checkpoint as ckpt
+from grpo.config import load_config, to_dict
+from grpo.lock import LOCK
 from tests import ROOT, TINY, snapshot
-from tests.recipe.launch import run_plain, run_script
+from tests.recipe.launch import Run, run_plain, run_script, script_env, steps_logged, tiny_run, train_rows, \
+    wait_for_step
+from tools.launch import free_port
 
 LORA = str(ROOT / "recipes" / "configs" / "tiny" / "grpo_lora.yaml")
 
@@ -63,8 +72,8 @@ def test_launch_scripts_exit_2_before_torchrun(tmp_path, case):
 
 
 def test_lora_target_matching_no_module_exits_2_and_writes_nothing(tmp_path):
-    """Caught once the transformer is built (PEFT itself ignores an entry that matches nothing while others match);
-    output_dir is written only after that, so an existing empty one stays empty."""
+    """Caught on the transformer built from its config on the meta device (PEFT itself ignores an entry that matches
+    nothing while others match), before anything is written: an existing empty output_dir stays empty."""
     out = tmp_path / "run"
     out.mkdir()
     proc = run_plain(LORA, ["lora.target_modules=[to_q, no_such_module]", "max_steps=1", f"output_dir={out}",
@@ -73,3 +82,68 @@ def test_lora_target_matching_no_module_exits_2_and_writes_nothing(tmp_path):
     line = _one_error_line(proc.stderr)
     assert line.startswith("error: lora.target_modules: 'no_such_module' matches no module")
     assert list(out.iterdir()) == []
+
+
+def test_bad_input_found_by_the_ranks_gives_the_launcher_exit_2_and_one_line(tmp_path):
+    """A resume checkpoint whose file has the right size but other bytes passes the start-up checks (structure only)
+    and fails the ranks' hash check: the launcher exits 2 (not torchrun's 1), rank 0's line is the only error line and
+    the last, and no traceback."""
+    out = tmp_path / "run"
+    args = [f"output_dir={out}", f"model.path={TINY}", f"data.cache_dir={tmp_path / 'cache'}", "max_steps=1"]
+    bad = tmp_path / "old" / "checkpoints" / ckpt.checkpoint_name(3)
+    bad.mkdir(parents=True)
+    (bad / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"y" * 64)
+    meta = {"format": ckpt.FORMAT, "step": 3, "world_size": 2, "lora": True, "ema": False,
+            "config": to_dict(load_config(LORA, args)), "files": {"zero_pp_rank_0_mp_rank_00_model_states.pt":
+                                                                  [64, "0" * 64]}}
+    (bad / "meta.json").write_text(json.dumps(meta))
+    proc = run_script("run.sh", [LORA, *args, f"checkpoint.resume={bad}"], extra_env={"NPROC": "2",
+                                                                                     "MASTER_PORT": str(free_port())})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "[launch]" in proc.stderr  # the ranks ran
+    assert _one_error_line(proc.stderr).startswith(f"error: checkpoint.resume: {bad} is not a usable checkpoint")
+    assert "ChildFailedError" not in proc.stderr
+    assert not (out / LOCK).exists()
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    """A 2-process run through launch/run.sh; after its first step a second job on the same output_dir is started,
+    then the launcher gets SIGTERM (what a scheduler sends on preemption) while the next step runs."""
+    tmp = tmp_path_factory.mktemp("sigterm")
+    out = tmp / "run"
+    args = [*tiny_run(tmp), "max_steps=50", "checkpoint.every=100", "data.eval_prompts=null", "logging.sample_every=0",
+            "logging.tensorboard=false", f"output_dir={out}", f"data.cache_dir={tmp / 'cache'}"]
+    env = {k: v for k, v in script_env({"NPROC": "2", "MASTER_PORT": str(free_port())}).items()}
+    run = Run.start(["bash", str(ROOT / "launch" / "run.sh"), LORA, *args], tmp / "run.log", env)
+    try:
+        wait_for_step(run, 0, timeout=400)
+        second = run_script("run.sh", [LORA, *args, "checkpoint.resume=auto"], extra_env={"NPROC": "2"}, timeout=300)
+        holder = json.loads((out / LOCK).read_text())
+        run.proc.send_signal(signal.SIGTERM)
+        rc = run.wait(400)
+    finally:
+        if run.proc.poll() is None:
+            run.kill_all()
+    return {"rc": rc, "out": out, "log": run.log.read_text(errors="replace"), "second": second, "holder": holder,
+            "steps": steps_logged(run)}
+
+
+def test_a_second_job_on_a_live_output_dir_exits_2_naming_the_holder(stopped_run):
+    second, holder = stopped_run["second"], stopped_run["holder"]
+    assert second.returncode == 2, second.stderr[-2000:]
+    line = _one_error_line(second.stderr)
+    assert line.startswith(f"error: output_dir: {stopped_run['out']} is in use by host {holder['host']} "
+                           f"pid {holder['pid']} ")
+    assert "[launch]" not in second.stderr  # refused before torchrun
+
+
+def test_sigterm_to_the_launcher_saves_a_checkpoint_and_exits_0(stopped_run):
+    assert stopped_run["rc"] == 0, stopped_run["log"][-3000:]
+    assert "[launch] SIGTERM: passed to 2 workers" in stopped_run["log"]
+    assert "Traceback" not in stopped_run["log"] and "SignalException" not in stopped_run["log"]
+    saved = ckpt.list_checkpoints(stopped_run["out"] / "checkpoints")
+    done = len(train_rows(stopped_run["out"]))
+    assert [p.name for p in saved] == [ckpt.checkpoint_name(done)] and 1 <= done < 50
+    assert ckpt.verify(saved[0]) is None
+    assert not (stopped_run["out"] / LOCK).exists()  # released on exit

@@ -1,11 +1,11 @@
 """Non-finite rewards, losses and gradients: the update is skipped on every rank, counted, logged, and training goes
 on; too many skips in a row save a checkpoint and stop with a clear error.
 
-One 2-process run with injected faults (GRPO_FAULT_INJECT, grpo/health.py) and faults.max_consecutive_skips=2:
+One 2-process run through launch/run.sh with injected faults (GRPO_FAULT_INJECT, grpo/health.py) and faults.max_consecutive_skips=2:
     step 0  NaN rewards on both ranks      -> update skipped (reward check)
     step 1  clean                          -> trained; the skip streak resets
     step 2  NaN loss on rank 1 only        -> DeepSpeed skips the optimizer step on both ranks (global grad norm)
-    step 3  NaN rewards                    -> second skip in a row: checkpoint step_4, then exit with an error
+    step 3  NaN rewards                    -> second skip in a row: checkpoint step_4, then exit 3 with one error line
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import json
 import pytest
 
 from grpo import checkpoint as ckpt
-from tests.recipe.launch import Run, max_abs_diff, tiny_run, torchrun, train_rows, trained_weights
+from tests import ROOT
+from tests.recipe.launch import Run, max_abs_diff, script_env, tiny_run, train_rows, trained_weights
+from tools.launch import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -24,11 +26,12 @@ pytestmark = pytest.mark.slow
 def faulty_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
     out = tmp / "run"
-    run = Run.start(torchrun("recipes/configs/tiny/grpo_lora.yaml",
-                             [*tiny_run(tmp), "max_steps=6", "checkpoint.every=2", "checkpoint.keep=5",
-                              "faults.max_consecutive_skips=2", "data.eval_prompts=null", "logging.sample_every=0",
-                              "logging.tensorboard=false", f"output_dir={out}", f"data.cache_dir={tmp / 'cache'}"]),
-                    tmp / "run.log", {"GRPO_FAULT_INJECT": "nan_reward@0,nan_loss@2:1,nan_reward@3"})
+    run = Run.start(["bash", str(ROOT / "launch" / "run.sh"), str(ROOT / "recipes/configs/tiny/grpo_lora.yaml"),
+                     *tiny_run(tmp), "max_steps=6", "checkpoint.every=2", "checkpoint.keep=5",
+                     "faults.max_consecutive_skips=2", "data.eval_prompts=null", "logging.sample_every=0",
+                     "logging.tensorboard=false", f"output_dir={out}", f"data.cache_dir={tmp / 'cache'}"],
+                    tmp / "run.log", script_env({"GRPO_FAULT_INJECT": "nan_reward@0,nan_loss@2:1,nan_reward@3",
+                                                 "NPROC": "2", "MASTER_PORT": str(free_port())}))
     rc = run.wait(900)
     return {"rc": rc, "out": out, "log": run.log.read_text(errors="replace"), "rows": train_rows(out)}
 
@@ -60,10 +63,12 @@ def test_nan_loss_on_one_rank_skips_the_step_on_all_ranks(faulty_run):
 
 
 def test_too_many_skips_in_a_row_save_and_stop_with_an_error(faulty_run):
-    assert faulty_run["rc"] != 0
+    assert faulty_run["rc"] == 3  # the launcher passes the workers' code on
     assert [r["step"] for r in faulty_run["rows"]] == [0, 1, 2, 3]
     errors = [line for line in faulty_run["log"].splitlines() if line.startswith("error: ")]
-    assert errors and errors[0].startswith("error: faults.max_consecutive_skips: 2 steps in a row skipped")
+    assert len(errors) == 1 and faulty_run["log"].strip().splitlines()[-1] == errors[0]  # rank 0's, last
+    assert "Traceback" not in faulty_run["log"]
+    assert errors[0].startswith("error: faults.max_consecutive_skips: 2 steps in a row skipped")
     assert "checkpoint.resume=auto" in errors[0]
     saved = faulty_run["out"] / "checkpoints" / ckpt.checkpoint_name(4)
     assert ckpt.verify(saved) is None

@@ -9,6 +9,7 @@ process, a LoRA target that fails on the built model) are in tests/recipe/test_b
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -22,13 +23,13 @@ from tests import ROOT, TINY, snapshot
 LORA = str(ROOT / "recipes" / "configs" / "tiny" / "grpo_lora.yaml")
 
 
-def _fake_checkpoint(path: Path, world_size: int, config_overrides: list[str]) -> Path:
-    """A checkpoint folder with a valid (empty) file list and the resolved config of LORA + overrides."""
+def _fake_checkpoint(path: Path, world_size: int, config_overrides: list[str], files: dict | None = None) -> Path:
+    """A checkpoint folder with a valid (empty, or `files`) file list and the resolved config of LORA + overrides."""
     from grpo.checkpoint import FORMAT
     from grpo.config import load_config, to_dict
 
     path.mkdir(parents=True)
-    meta = {"format": FORMAT, "step": 3, "world_size": world_size, "files": {}, "lora": True, "ema": False,
+    meta = {"format": FORMAT, "step": 3, "world_size": world_size, "files": files or {}, "lora": True, "ema": False,
             "config": to_dict(load_config(LORA, config_overrides))}
     (path / "meta.json").write_text(json.dumps(meta))
     return path
@@ -59,6 +60,32 @@ def _cases(tmp: Path) -> list[dict]:
     garbled_ckpt = tmp / "ckpt_garbled" / "step_00000003"
     garbled_ckpt.mkdir(parents=True)
     (garbled_ckpt / "meta.json").write_text("{not json")
+    not_ckpt = tmp / "some_folder"
+    not_ckpt.mkdir()
+    (not_ckpt / "notes.txt").write_text("not a checkpoint\n")
+    missing_file = _fake_checkpoint(tmp / "ckpt_missing" / "step_00000003", 1, [],
+                                    {"zero_pp_rank_0_mp_rank_00_model_states.pt": [10, "0" * 64]})
+    a_file = tmp / "a_file"
+    a_file.write_text("in the way\n")
+    damaged_run = tmp / "damaged_run"
+    (damaged_run / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (damaged_run / "checkpoints" / "step_00000002" / "meta.json").write_text("{truncated")
+    (damaged_run / "metrics.jsonl").write_text('{"step": 0}\n')
+    locked = tmp / "locked_run"
+    locked.mkdir()
+    import socket
+
+    from grpo.lock import _process_start
+
+    # pid 1 runs on every machine: a live holder on this host
+    (locked / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": 1, "pid_start": _process_start(1),
+                                              "time": 0}))
+    if os.geteuid() == 0:  # root writes through permission bits: a read-only file system instead
+        unwritable = Path("/sys/grpo_run")
+    else:
+        ro = tmp / "read_only"
+        ro.mkdir(mode=0o500)
+        unwritable = ro / "run"
     cases = [
         ("malformed YAML", ["--config", str(bad_yaml)], "config"),
         ("missing config", ["--config", str(tmp / "nope.yaml")], "config"),
@@ -97,10 +124,21 @@ def _cases(tmp: Path) -> list[dict]:
         ("wandb not installed", ["logging.wandb=true"], "logging.wandb"),
         ("unknown dtype", ["model.dtype=fp64"], "model.dtype"),
         ("empty LoRA targets", ["lora.target_modules=[]"], "lora.target_modules"),
+        ("LoRA target matching no module", ["lora.target_modules=[to_q, no_such_module]"], "lora.target_modules"),
+        ("resume from a folder that is not a checkpoint", [f"checkpoint.resume={not_ckpt}"], "checkpoint.resume"),
+        ("resume from a checkpoint missing a file", [f"checkpoint.resume={missing_file}"], "checkpoint.resume"),
+        ("resume=auto with every checkpoint damaged", ["checkpoint.resume=auto", f"output_dir={damaged_run}"],
+         "checkpoint.resume"),
+        ("output_dir inside a file", [f"output_dir={a_file / 'run'}"], "output_dir"),
+        ("output_dir is a file", [f"output_dir={a_file}"], "output_dir"),
+        ("output_dir not writable", [f"output_dir={unwritable}"], "output_dir"),
+        ("output_dir in use by a live job", [f"output_dir={locked}"], "output_dir"),
     ]
     out = []
     for i, (name, argv, setting) in enumerate(cases):
-        run_dir = tmp / f"out{i}"
+        given = [a.split("=", 1)[1] for a in argv if a.startswith("output_dir=")]
+        run_dir = Path(given[0]) if given else tmp / f"out{i}"
+        argv = [a for a in argv if not a.startswith("output_dir=")]
         if name.startswith("non-empty output_dir"):
             run_dir.mkdir()
             (run_dir / "notes.txt").write_text("an earlier run's file\n")
@@ -163,3 +201,6 @@ def test_messages_say_how_to_fix_it(results):
     assert "hf download" in by_name["missing reward model file"]
     assert "valid keys under sampling" in by_name["unknown nested key"]
     assert "not valid YAML (line " in by_name["malformed YAML"]
+    assert "pid 1 " in by_name["output_dir in use by a live job"]
+    assert "checkpoint.resume=null and choose a new output_dir" in by_name["resume=auto with every checkpoint damaged"]
+    assert "is a file" in by_name["output_dir inside a file"]

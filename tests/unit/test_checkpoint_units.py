@@ -159,3 +159,15 @@ def test_security_no_unsafe_loads_and_no_remote_code():
             assert name not in ("pickle.load", "pickle.loads"), f"{f}:{node.lineno}"
             remote = kw.get("trust_remote_code")
             assert not (isinstance(remote, ast.Constant) and remote.value is True), f"{f}:{node.lineno}"
+
+
+def test_resume_auto_with_every_checkpoint_damaged_stops_instead_of_restarting(tmp_path):
+    """All checkpoints corrupted: moved aside, and exit 2 (no silent restart from step 0), also on the next try."""
+    cfg = load_config(str(LORA), [f"output_dir={tmp_path}", "checkpoint.resume=auto"])
+    bad = _checkpoint(tmp_path / "checkpoints", 2, {"zero_pp_rank_0_optim_states.pt": b"x" * 64})
+    (bad / "zero_pp_rank_0_optim_states.pt").write_bytes(b"y" * 64)  # same size, other content
+    assert ckpt.newest_valid(tmp_path / "checkpoints", check=ckpt.structure) == bad  # start-up checks do not hash
+    for _ in range(2):
+        with pytest.raises(ckpt.ConfigError, match="only damaged ones .*checkpoint.resume=null"):
+            ckpt.resume_point(cfg, 2)
+    assert [p.name.startswith(".invalid-step_00000002") for p in (tmp_path / "checkpoints").iterdir()] == [True]

@@ -1,0 +1,92 @@
+"""tools/torchrun.py, the launchers' torchrun: the workers' exit code passed on, stop signals passed to the workers and
+waited for (GRACE_S), with stand-in workers (a few seconds each; the recipe itself: tests/recipe/test_bad_input_launch.py)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+from tests import ROOT
+from tools import torchrun as tr
+from tools.launch import free_port, launch_env
+
+WORKER = """
+import os, signal, sys, time
+rank, mode = int(os.environ["RANK"]), sys.argv[1]
+if mode == "exit":
+    if rank == 0:
+        print("error: x: bad", file=sys.stderr)
+    sys.exit(2)
+got = []
+signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+os.write(1, b"ready\\n")  # one write: the two workers share the pipe
+while not got:
+    time.sleep(0.05)
+if mode == "stuck":
+    time.sleep(600)
+time.sleep(1)
+print(f"rank {rank} saved", file=sys.stderr, flush=True)
+"""
+
+
+def _start(tmp_path, mode, env=None):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    cmd = [sys.executable, "-m", "tools.torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(script), mode]
+    return subprocess.Popen(cmd, cwd=ROOT, env=launch_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def _wait_ready(proc, n=2):
+    seen = ""
+    while seen.count("ready") < n:
+        line = proc.stdout.readline()
+        assert line, "the workers ended before they were ready"
+        seen += line
+
+
+def test_exit_code_of_the_first_worker_with_a_meaning():
+    f = lambda code, t: SimpleNamespace(exitcode=code, timestamp=t)  # noqa: E731
+    assert tr.exit_code({0: f(1, 5), 1: f(2, 5)}) == (2, None)  # a peer's follow-on failure does not hide the 2
+    assert tr.exit_code({0: f(-15, 5), 1: f(3, 6)}) == (3, None)
+    code, line = tr.exit_code({0: f(-15, 5), 1: f(7, 6)})
+    assert code == 1 and line.startswith("[launch] rank 1 exited with code 7")
+    assert tr.exit_code({1: f(-9, 5)})[1].startswith("[launch] rank 1 was killed by SIGKILL")
+
+
+def test_bad_grace_period_exits_2(monkeypatch, capsys):
+    monkeypatch.setenv("GRACE_S", "soon")
+    assert tr.main(["x.py"]) == 2
+    assert capsys.readouterr().err.startswith("error: GRACE_S: 'soon';")
+
+
+def test_worker_exit_2_is_the_launchers_with_one_line(tmp_path):
+    proc = _start(tmp_path, "exit")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    assert err.strip().splitlines()[-1] == "error: x: bad" and err.count("error:") == 1
+    assert "Traceback" not in err and "ChildFailedError" not in err
+
+
+def test_sigterm_reaches_the_workers_and_is_waited_for(tmp_path):
+    proc = _start(tmp_path, "save")
+    _wait_ready(proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "rank 0 saved" in err and "rank 1 saved" in err and "Traceback" not in err
+
+
+def test_workers_still_running_after_the_grace_period_are_killed(tmp_path):
+    proc = _start(tmp_path, "stuck", {"GRACE_S": "1"})
+    _wait_ready(proc)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err
+    assert time.monotonic() - start < 60
+    assert "still running 1s after the stop signal: killed" in err and "Traceback" not in err

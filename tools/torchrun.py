@@ -1,0 +1,151 @@
+"""torchrun as the launchers run it: the workers' own exit code, and stop signals forwarded to the workers.
+
+    python -m tools.torchrun [torchrun arguments] SCRIPT [script arguments]
+
+launch/run.sh and launch/multinode.sh (--torchrun) exec it in place of ``python -m torch.distributed.run``, which it
+runs in this process with two changes:
+
+- Exit code: torchrun turns a failed worker into exit 1 and a ChildFailedError traceback. Here the job exits with the
+  first failed worker's code when it is 2 (bad input) or 3 (too many skipped updates), whose one ``error:`` line the
+  recipe printed on rank 0, and otherwise with 1 after one ``[launch]`` line naming the rank and its code. 0 when
+  every worker exits 0.
+- Preemption: torchrun answers SIGTERM/SIGINT by terminating its workers within 30 s, too short for a FLUX.1-dev step
+  and its checkpoint. Here the signal is forwarded to the workers, which finish the step, save a checkpoint and
+  exit 0 (grpo/health.py); workers still running GRACE_S seconds (environment, default 600) after the first signal
+  are killed and the job exits 1. A second SIGINT is forwarded too (the workers then stop at once). A signal before
+  any worker has started stops the launch (exit 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+GRACE_ENV, GRACE_DEFAULT_S = "GRACE_S", 600.0
+# The exit codes the recipe gives meaning to (recipes/flux_grpo.py); every other failure becomes 1.
+PASSED_ON = (2, 3)
+
+
+def children(pid: int | None = None) -> list[int]:
+    """The pids whose parent is `pid` (this process by default): torchrun's workers, which it starts in their own
+    sessions, so a signal to this process group does not reach them."""
+    pid = os.getpid() if pid is None else pid
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path("/proc", entry, "stat").read_text()
+        except OSError:  # exited meanwhile
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4, after the "(comm)" that may hold spaces
+            found.append(int(entry))
+    return found
+
+
+class Forwarder:
+    """The SIGTERM/SIGINT handler: pass the signal to the workers; kill them `grace_s` seconds after the first one."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.timer: threading.Timer | None = None
+        self.killed = False
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self)
+
+    def _send(self, sig: int) -> list[int]:
+        pids = children()
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        return pids
+
+    def __call__(self, signum: int, frame) -> None:
+        pids = self._send(signum)
+        if not pids and self.timer is None:  # no worker yet: nothing to save, stop here (torchrun cleans up)
+            print(f"[launch] {signal.Signals(signum).name} before any worker started: stopping; exit 1",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(1)
+        print(f"[launch] {signal.Signals(signum).name}: passed to {len(pids)} workers, which finish the step, save a "
+              f"checkpoint and exit; killed if still running after {GRACE_ENV}={self.grace_s:g}s", file=sys.stderr,
+              flush=True)
+        if self.timer is None:
+            self.timer = threading.Timer(self.grace_s, self._kill)
+            self.timer.daemon = True
+            self.timer.start()
+
+    def _kill(self) -> None:
+        self.killed = True
+        pids = self._send(signal.SIGKILL)
+        print(f"[launch] {len(pids)} workers still running {self.grace_s:g}s after the stop signal: killed; raise "
+              f"{GRACE_ENV} (and the scheduler's grace period) above one step plus a checkpoint save", file=sys.stderr,
+              flush=True)
+
+
+def grace_seconds() -> float:
+    raw = os.environ.get(GRACE_ENV, "")
+    try:
+        grace = float(raw) if raw else GRACE_DEFAULT_S
+    except ValueError:
+        grace = float("nan")
+    if not grace > 0 or grace == float("inf"):
+        raise ValueError(f"error: {GRACE_ENV}: {raw!r}; give the seconds the workers get after a stop signal to finish "
+                         f"the step and save, e.g. {GRACE_DEFAULT_S:g}")
+    return grace
+
+
+def exit_code(failures: dict) -> tuple[int, str | None]:
+    """The job's exit code from torchrun's failures {rank: ProcessFailure}, and a line to print (None: the recipe
+    printed its own). A worker's 2 or 3 wins over the others' failures, which follow from it (a rank that left
+    breaks its peers' collectives, then torchrun stops them)."""
+    ranked = sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+    for rank, failure in ranked:
+        if failure.exitcode in PASSED_ON:
+            return failure.exitcode, None
+    rank, failure = next(((r, f) for r, f in ranked if f.exitcode > 0), ranked[0])
+    how = (f"was killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
+           else f"exited with code {failure.exitcode}")
+    return 1, f"[launch] rank {rank} {how} (see its output above); exit 1"
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        grace = grace_seconds()
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    forward = Forwarder(grace)
+    forward.install()
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    # torchrun would answer SIGTERM/SIGINT with its own 30 s shutdown; it keeps its handling of the others.
+    args.signals_to_handle = "SIGHUP,SIGQUIT"
+    try:
+        run(args)
+    except ChildFailedError as e:
+        # torchrun's own log of the failure would follow the recipe's error line; ours replaces it
+        code, line = exit_code(e.failures)
+        if forward.killed:
+            code = 1
+        if line:
+            print(line, file=sys.stderr)
+        return code
+    finally:
+        if forward.timer is not None:
+            forward.timer.cancel()
+    return 0
+
+
+if __name__ == "__main__":
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    sys.exit(main())
