@@ -10,7 +10,6 @@ nothing that matters at these magnitudes (tests/unit/test_matching.py compares a
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 __all__ = ["awm_loss", "decay", "forward_noise", "nft_loss", "optimality_weight", "velocity_mse"]

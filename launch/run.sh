@@ -5,7 +5,7 @@
 #   NPROC=4 bash launch/run.sh recipes/configs/flux1_dev/grpo_lora.yaml output_dir=runs/exp1
 #   RECIPE=my_recipe.py bash launch/run.sh my_config.yaml
 #
-# Environment: NPROC (process count), RECIPE (recipe script), MASTER_PORT (default 29500), GRACE_S (seconds the
+# Environment: NPROC (process count), RECIPE (recipe script), MASTER_PORT (default: a free port), GRACE_S (seconds the
 # workers get to finish the step and save after SIGTERM/SIGINT, default 600).
 # Exit code: the workers' (0 done or stopped cleanly, 2 bad input, 3 too many skipped updates, 1 anything else).
 # SIGTERM/SIGINT to this script go to the workers (tools/torchrun.py), which finish the step, save and exit 0.
@@ -45,8 +45,10 @@ nproc_per_node=${NPROC:-$count}
 # A bad setting fails here, in one process that loads no model, before every rank pays for its imports.
 python -m tools.check --world-size "$nproc_per_node" "$config" "$@"
 
+# One machine: a free port unless MASTER_PORT says otherwise, so two jobs on one node never meet in one rendezvous.
+port=${MASTER_PORT:-$(python -c "from tools.launch import free_port; print(free_port())")}
 cmd=(python -m tools.torchrun --nnodes 1 --nproc_per_node "$nproc_per_node"
-     --master_addr 127.0.0.1 --master_port "${MASTER_PORT:-29500}"
+     --master_addr 127.0.0.1 --master_port "$port"
      "$recipe" --config "$config" "$@")
 echo "[launch] $kind x $nproc_per_node: ${cmd[*]}" >&2
 exec "${cmd[@]}"
