@@ -37,7 +37,6 @@ import hashlib
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import time
@@ -46,12 +45,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from grpo import device as dev
+from grpo import rng
 from grpo.compat import check_compatible
 from grpo.config import RecipeConfig, to_dict
 from grpo.errors import ConfigError
@@ -295,35 +292,6 @@ def resume_point(cfg: RecipeConfig, world_size: int, check: Callable[[Path], str
     return path
 
 
-# ------------------------------------------------------------------------------------------------- RNG state
-
-
-def rng_state(device_rng: Callable[[], torch.Tensor] | None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Python, NumPy, torch (CPU) and accelerator RNG states as tensors + string metadata (safetensors-ready)."""
-    version, py_state, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    tensors = {
-        "rng/python": torch.tensor(py_state, dtype=torch.int64),
-        "rng/numpy": torch.from_numpy(keys.astype(np.int64)),
-        "rng/torch": torch.get_rng_state(),
-    }
-    if device_rng is not None:
-        tensors["rng/device"] = device_rng().cpu()
-    meta = {"python": json.dumps([version, gauss]), "numpy": json.dumps([kind, int(pos), int(has_gauss), cached])}
-    return tensors, meta
-
-
-def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, str],
-                  set_device_rng: Callable[[torch.Tensor], None] | None) -> None:
-    version, gauss = json.loads(meta["python"])
-    random.setstate((version, tuple(tensors["rng/python"].tolist()), gauss))
-    kind, pos, has_gauss, cached = json.loads(meta["numpy"])
-    np.random.set_state((kind, tensors["rng/numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(tensors["rng/torch"])
-    if set_device_rng is not None and "rng/device" in tensors:
-        set_device_rng(tensors["rng/device"])
-
-
 # ---------------------------------------------------------------------------------------------- save / load
 
 
@@ -334,13 +302,6 @@ class RunState:
     step: int  # completed GRPO steps; training continues at this step index
     consecutive_skips: int = 0
     total_skips: int = 0
-
-
-def _device_rng():
-    acc = dev.accelerator()
-    if acc.device_name() == "cpu":  # the CPU accelerator's RNG is torch's CPU RNG, saved already
-        return None, None
-    return acc.get_rng_state, acc.set_rng_state
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
@@ -392,8 +353,8 @@ class Checkpointer:
         dist.barrier()
         engine.save_checkpoint(str(self.root), tag=tmp.name, save_latest=False,
                                exclude_frozen_parameters=self.cfg.lora is not None)
-        get_rng, _ = _device_rng()
-        tensors, meta = rng_state(get_rng)
+        get_rng, _ = rng.device_rng()
+        tensors, meta = rng.rng_state(get_rng)
         for average in (ema, lagging):
             if average is not None:
                 avg_tensors, avg_meta = average.state()
@@ -444,8 +405,8 @@ class Checkpointer:
 
         with safe_open(str(path / rank_file(self.rank)), framework="pt") as f:
             file_meta = f.metadata()
-        _, set_rng = _device_rng()
-        set_rng_state(tensors, file_meta, set_rng)
+        _, set_rng = rng.device_rng()
+        rng.set_rng_state(tensors, file_meta, set_rng)
         if ema is not None:
             if not meta["ema"]:
                 log.warning("checkpoint %s has no EMA weights; the EMA restarts from the current weights", path)

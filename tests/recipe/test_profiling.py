@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.config import load_config, validate
+from grpo.checks import validate
+from grpo.config import load_config
 from grpo.errors import ConfigError
 from grpo.profiling import StepProfiler
 from tests import ROOT, TINY

@@ -13,7 +13,7 @@ import torch
 
 from grpo import checkpoint as ckpt
 from grpo import compat
-from grpo import health
+from grpo import health, rng
 from grpo.config import load_config, to_dict
 from grpo.ema import PREFIX, assemble
 from grpo.metrics import MetricsLogger
@@ -83,12 +83,12 @@ def test_rng_state_round_trip():
     random.seed(1)
     np.random.seed(2)
     torch.manual_seed(3)
-    tensors, meta = ckpt.rng_state(None)
+    tensors, meta = rng.rng_state(None)
     expected = (random.random(), np.random.rand(), torch.rand(3))
     random.seed(9)
     np.random.seed(9)
     torch.manual_seed(9)
-    ckpt.set_rng_state(tensors, meta, None)
+    rng.set_rng_state(tensors, meta, None)
     got = (random.random(), np.random.rand(), torch.rand(3))
     assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
     from safetensors.torch import load_file, save_file

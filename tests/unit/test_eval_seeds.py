@@ -40,6 +40,6 @@ def test_eval_seeds_extend_the_one_seed_eval(tmp_path):
 
 def test_eval_seeds_must_be_positive():
     with pytest.raises(ConfigError, match="logging.eval_seeds"):
-        from grpo.config import validate
+        from grpo.checks import validate
 
         validate(load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml", ["logging.eval_seeds=0"]))

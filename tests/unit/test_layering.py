@@ -31,8 +31,13 @@ def imported(node: ast.Import | ast.ImportFrom, known: dict[str, Path]) -> list[
 
 
 def imports(path: Path) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement of a module, those inside functions included: a lazy import is still a dependency."""
-    return [n for n in ast.walk(ast.parse(path.read_text(), str(path))) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    """Every import statement of a module, those inside functions included: a lazy import is still a dependency.
+    Imports under `if TYPE_CHECKING:` are left out: they never run (annotations only)."""
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+                   for stmt in block.body for n in ast.walk(stmt)}
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in typing_only]
 
 
 def import_graph() -> dict[str, set[str]]:

@@ -1,0 +1,182 @@
+"""Checks of a loaded recipe config that need no files and no world size: single-field ranges and cross-field
+consistency (algorithm, SDE window, solver, run control), each failing with one line naming the setting and the fix.
+grpo.config.load_config runs them once per start; the checks that need files or the world size are grpo/inputs.py's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from grpo.errors import ConfigError
+
+if TYPE_CHECKING:  # the config module calls these checks: no import back at run time
+    from grpo.config import RecipeConfig
+
+def _positive(value: float, key: str, fix: str) -> None:
+    if not value > 0:
+        raise ConfigError(f"{key}: must be > 0, got {value}; {fix}")
+
+
+def validate(cfg: RecipeConfig) -> None:
+    """Single-field and cross-field checks that need no files and no world size."""
+    _positive(cfg.max_steps, "max_steps", "set max_steps to the number of GRPO steps to run")
+    s, b, g = cfg.sampling, cfg.batch, cfg.grpo
+    if s.group_size < 2:
+        raise ConfigError(f"sampling.group_size: {s.group_size} gives no group statistics; use at least 2")
+    if s.num_steps < 2:
+        raise ConfigError(f"sampling.num_steps: {s.num_steps} leaves no trainable transition; use at least 2")
+    if s.eta < 0:
+        raise ConfigError(f"sampling.eta: {s.eta} is negative; use eta >= 0 (0 = ODE)")
+    if s.sde == "cps" and s.eta > 1:
+        raise ConfigError(f"sampling.eta: {s.eta} is above 1, the largest CPS noise level; Flow-GRPO uses 0.8")
+    _validate_strategy(cfg)
+    if isinstance(s.shift, str) and s.shift != "dynamic":
+        raise ConfigError(f"sampling.shift: {s.shift!r}; use a number (e.g. 3.0) or dynamic")
+    if not isinstance(s.shift, str):
+        _positive(s.shift, "sampling.shift", "use a positive time shift such as 3.0")
+    if s.resolution % 16:
+        raise ConfigError(f"sampling.resolution: {s.resolution} must be a multiple of 16 (VAE x 2x2 packing)")
+    for key, value in (
+        ("batch.prompts_per_step", b.prompts_per_step),
+        ("batch.micro_batch_size", b.micro_batch_size),
+        ("batch.updates_per_step", b.updates_per_step),
+    ):
+        _positive(value, key, "use a positive integer")
+    if b.rollout_micro_batch_size is not None:
+        _positive(b.rollout_micro_batch_size, "batch.rollout_micro_batch_size",
+                  "use a multiple of micro_batch_size, or null")
+    if not 0 < g.timestep_fraction <= 1:
+        raise ConfigError(f"grpo.timestep_fraction: {g.timestep_fraction} must be in (0, 1]")
+    _positive(g.clip_range, "grpo.clip_range", "DanceGRPO uses 1e-4")
+    _positive(g.adv_clip, "grpo.adv_clip", "DanceGRPO uses 5.0")
+    if g.std_scope not in ("group", "batch"):
+        raise ConfigError(f"grpo.std_scope: {g.std_scope!r} is unknown; use group or batch")
+    if g.kl_coef < 0:
+        raise ConfigError(f"grpo.kl_coef: {g.kl_coef} is negative; use 0 (no reference) or a positive weight")
+    _validate_algorithm(cfg)
+    _positive(cfg.optim.lr, "optim.lr", "e.g. 1e-5 full fine-tune, 3e-4 LoRA")
+    _positive(cfg.optim.max_grad_norm, "optim.max_grad_norm", "DanceGRPO uses 1.0")
+    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
+        raise ConfigError(f"optim.betas: expected two numbers in [0, 1), got {cfg.optim.betas}; e.g. [0.9, 0.999]")
+    if cfg.lora is not None:
+        _positive(cfg.lora.rank, "lora.rank", "e.g. 8 (tiny) or 128 (FLUX.1-dev)")
+        if not cfg.lora.target_modules:
+            raise ConfigError("lora.target_modules: empty; list module names such as to_q, to_k, to_v, to_out.0")
+    if not cfg.rewards:
+        raise ConfigError("rewards: empty; give at least one {name: weight}, e.g. {tiny_world: 1.0}")
+    if cfg.data.max_sequence_length < 1:
+        raise ConfigError("data.max_sequence_length: must be >= 1 (FLUX.1-dev uses 512)")
+    gc = cfg.model.gradient_checkpointing
+    if not isinstance(gc, bool) and gc < 0:
+        raise ConfigError(f"model.gradient_checkpointing: {gc}; use true (all blocks), false, or k >= 1 (every k-th)")
+    if cfg.model.dtype not in ("fp32", "bf16", "fp16"):
+        raise ConfigError(f"model.dtype: {cfg.model.dtype!r}; use fp32, bf16 or fp16")
+    _validate_run_control(cfg)
+    _validate_profile(cfg)
+
+
+def _validate_algorithm(cfg: RecipeConfig) -> None:
+    """nft and awm train on noised clean samples: they need the matching section and no SDE window."""
+    m = cfg.matching
+    if cfg.algorithm == "grpo":
+        if m is not None:
+            raise ConfigError("matching: only for algorithm nft or awm; set it to null for grpo")
+        if cfg.sampling.eta == 0:
+            raise ConfigError("sampling.eta: 0 makes rollouts deterministic and log-probs undefined; GRPO trains "
+                              "with eta > 0")
+        return
+    if m is None:
+        raise ConfigError(f"matching: required with algorithm {cfg.algorithm} (see --help)")
+    if cfg.grpo.kl_coef != 0 or cfg.grpo.ratio_norm:
+        raise ConfigError(f"grpo.kl_coef / grpo.ratio_norm: GRPO's; set 0 / false for {cfg.algorithm} (its KL weight "
+                          "is matching.kl_coef)")
+    if cfg.sampling.window is not None:
+        raise ConfigError(f"sampling.window: selects GRPO's trained transitions; set null for {cfg.algorithm}")
+    if cfg.sampling.eta == 0 and cfg.sampling.init_same_noise:
+        raise ConfigError("sampling.init_same_noise: true with eta 0 makes each group one image repeated (no "
+                          "advantage); set false, so each image has its own starting noise")
+    if not 1 <= m.timesteps <= cfg.sampling.num_steps:
+        raise ConfigError(f"matching.timesteps: {m.timesteps}; use 1 .. num_steps = {cfg.sampling.num_steps}")
+    need, other = ("beta",), ("huber_p", "anchor_coef")
+    if cfg.algorithm == "awm":
+        need, other = other, need
+    for key in need:
+        if getattr(m, key) is None or not getattr(m, key) > 0:
+            raise ConfigError(f"matching.{key}: {getattr(m, key)}; a positive number is required with algorithm "
+                              f"{cfg.algorithm} (see --help)")
+    for key in other:
+        if getattr(m, key) is not None:
+            raise ConfigError(f"matching.{key}: not used by algorithm {cfg.algorithm}; remove it")
+    if not 0 <= m.lag_max < 1 or m.lag_rate < 0 or m.lag_start < 0:
+        raise ConfigError(f"matching.lag_*: rate {m.lag_rate} >= 0, max {m.lag_max} in [0, 1), start {m.lag_start} "
+                          ">= 0 (DiffusionNFT: 0.001, 0.5, 0)")
+    if m.kl_coef < 0:
+        raise ConfigError(f"matching.kl_coef: {m.kl_coef} is negative; use 0 (no reference) or e.g. 1e-4")
+
+
+def _validate_strategy(cfg: RecipeConfig) -> None:
+    """The SDE window, the solver after it and RatioNorm must fit the schedule and each other."""
+    s, w = cfg.sampling, cfg.sampling.window
+    if w is not None:
+        bound = s.num_steps - 2  # the last two transitions are never trained (MixGRPO's max_timesteps)
+        if not 1 <= w.size <= bound:
+            raise ConfigError(f"sampling.window.size: {w.size}; use 1 .. num_steps - 2 = {bound}")
+        if cfg.grpo.timestep_fraction != 1.0:
+            raise ConfigError(f"grpo.timestep_fraction: {cfg.grpo.timestep_fraction} with sampling.window: every "
+                              "window step is trained; set 1.0")
+        need = {"progressive": ("shift_every", "stride"), "random": ("high",)}[w.placement]
+        unused = {"progressive": ("high",), "random": ("shift_every", "stride")}[w.placement]
+        for key in need:
+            if getattr(w, key) is None:
+                raise ConfigError(f"sampling.window.{key}: required with placement {w.placement} (see --help)")
+        for key in unused:
+            if getattr(w, key) is not None:
+                raise ConfigError(f"sampling.window.{key}: only for the other placement; remove it")
+        if w.placement == "progressive" and (w.shift_every < 1 or w.stride < 0):
+            raise ConfigError(f"sampling.window: shift_every {w.shift_every} must be >= 1 and stride {w.stride} "
+                              ">= 0 (MixGRPO: 25 and 1)")
+        if w.placement == "random" and not w.size <= w.high <= s.num_steps - 1:
+            raise ConfigError(f"sampling.window.high: {w.high}; use size .. num_steps - 1 = {s.num_steps - 1} "
+                              f"(Flow-GRPO-Fast: num_steps // 2)")
+    if s.tail == "dpm2":
+        if w is None:
+            raise ConfigError("sampling.tail: dpm2 replaces the steps after an SDE window; set sampling.window")
+        if isinstance(s.shift, str):
+            raise ConfigError("sampling.tail: dpm2 compresses a static schedule; set a numeric sampling.shift (e.g. 3)")
+        if s.compress_ratio is None or not 0 < s.compress_ratio <= 1:
+            raise ConfigError(f"sampling.compress_ratio: {s.compress_ratio}; dpm2 needs a ratio in (0, 1] "
+                              "(MixGRPO-Flash: 0.4)")
+    elif s.compress_ratio is not None:
+        raise ConfigError("sampling.compress_ratio: only for sampling.tail: dpm2; remove it or set tail: dpm2")
+    if cfg.grpo.ratio_norm and s.sde != "flow":
+        raise ConfigError(f"grpo.ratio_norm: true needs sampling.sde: flow (GRPO-Guard normalises Flow-SDE "
+                          f"log-ratios), got {s.sde}")
+
+
+def _validate_profile(cfg: RecipeConfig) -> None:
+    """Profiled steps must be steps the run reaches."""
+    bad = [s for s in cfg.profile.steps if not 0 <= s < cfg.max_steps]
+    if bad:
+        raise ConfigError(f"profile.steps: {bad[0]} is not a step of this run (0..{cfg.max_steps - 1}); "
+                          "choose steps after the first, e.g. [2, 3]")
+    if not cfg.profile.dir.strip():
+        raise ConfigError("profile.dir: empty; give a folder name under output_dir, e.g. profile")
+
+
+def _validate_run_control(cfg: RecipeConfig) -> None:
+    """Logging, checkpoint, EMA and fault settings."""
+    for key, value in (("logging.sample_every", cfg.logging.sample_every),
+                       ("logging.eval_every", cfg.logging.eval_every), ("checkpoint.every", cfg.checkpoint.every)):
+        if value < 0:
+            raise ConfigError(f"{key}: {value} is negative; use a number of steps (0 = never)")
+    if cfg.logging.eval_seeds < 1:
+        raise ConfigError(f"logging.eval_seeds: {cfg.logging.eval_seeds}; use at least 1 image per held-out prompt")
+    if cfg.checkpoint.keep < 1:
+        raise ConfigError(f"checkpoint.keep: {cfg.checkpoint.keep}; keep at least 1 checkpoint")
+    if cfg.checkpoint.resume is not None and not cfg.checkpoint.resume.strip():
+        raise ConfigError("checkpoint.resume: empty; use null (new run), auto, or a checkpoint folder")
+    if cfg.ema.decay is not None and not 0 < cfg.ema.decay < 1:
+        raise ConfigError(f"ema.decay: {cfg.ema.decay} must be in (0, 1), e.g. 0.99; or null for no EMA")
+    if cfg.faults.max_consecutive_skips < 1:
+        raise ConfigError(f"faults.max_consecutive_skips: {cfg.faults.max_consecutive_skips}; use at least 1")
+    _positive(cfg.faults.comm_timeout_s, "faults.comm_timeout_s", "e.g. 1800 (seconds)")
