@@ -131,7 +131,7 @@ def plot_reward_curve(rows: list[dict], path: str | Path) -> None:
         # An eval row's step counts completed steps: it scores the weights after step index step - 1.
         ax.plot([r["step"] - 0.5 for r in evals], [r["eval/reward_mean"] for r in evals], "o-", color="tab:orange",
                 label="held-out reward (eta = 0)")
-    ax.set_xlabel("GRPO step")
+    ax.set_xlabel("training step")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8)
