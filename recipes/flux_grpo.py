@@ -351,23 +351,23 @@ class FluxGRPORecipe:
         """What the update compares against, computed sharded and without gradients, into each chunk: grpo's
         reference SDE means (kl_coef > 0); nft/awm's noised samples, the lagging policy's and the reference's
         velocities at them."""
-        step_noise = self.cfg.matching is not None
-        if step_noise:
+        matching = self.cfg.matching is not None
+        if matching:
             self._noise_clean_samples(chunks, step)
             if self._uses_lagging_velocity:
-                with self.lagging.applied(), self._inference(lagging=True) as model:
+                with self.lagging.applied(), self._inference() as model:
                     for c in chunks:
                         c.lagging = {j: self._velocity(model, c, j) for j in c.trained}
         if self.kl_coef == 0:
             return
         with self._inference(reference=True) as model:
             for c in chunks:
-                c.reference = {j: self._velocity(model, c, j) if step_noise else
+                c.reference = {j: self._velocity(model, c, j) if matching else
                                self.sampler.transition(model, c.cond, c.traj.latents, j).mean for j in c.trained}
 
     @contextlib.contextmanager
-    def _inference(self, reference: bool = False, lagging: bool = False):
-        """A no-grad forward module: the policy, its lagging weights (inside lagging.applied()), or the reference
+    def _inference(self, reference: bool = False):
+        """A no-grad forward module: the policy (its lagging weights inside lagging.applied()), or the reference
         (LoRA: the policy with its adapters switched off; full fine-tune: the frozen reference engine)."""
         lora = self.reference is None
         gather = self.cfg.deepspeed.gather_for_rollout and (lora or not reference)
@@ -413,7 +413,8 @@ class FluxGRPORecipe:
 
     # ----------------------------------------------------------------------------------------------- update
     def update(self, step: int, chunks: list[Chunk], advantages: torch.Tensor) -> UpdateStats:
-        """Accumulate the clipped loss over the trained transitions of each update block, then step."""
+        """Accumulate the objective's loss over the trained transitions (grpo) or noise levels (nft/awm) of each
+        update block, then step."""
         per_update = self.layout.micro_batches_per_update
         sums, grad_norms = LossSums(), []
         skipped_before = self.engine.skipped_steps
