@@ -39,8 +39,9 @@ class Chunk:
 class UpdateStats:
     """What an update phase logs. Means are over this rank's backward passes, then over ranks.
 
-    Fields left None are not logged: a step whose update was skipped for a non-finite reward logs only
-    skipped_updates, and the ratio statistics exist for grpo only.
+    Fields left None are not logged: a step whose update was skipped for a non-finite reward logs skipped_updates
+    and lr (its row also has the rewards and the step's timings) but no loss, grad_norm or ratio statistics; the
+    ratio statistics exist for grpo only.
     """
 
     loss: float | None = None

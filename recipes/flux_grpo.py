@@ -255,7 +255,8 @@ class FluxGRPORecipe:
             if torch.isfinite(rewards).all():
                 update = self.update(step, chunks, advantages)
             else:  # a NaN reward would poison every advantage of the step: skip the update, keep the count
-                update = UpdateStats(skipped_updates=float(self.layout.updates_per_step))
+                update = UpdateStats(skipped_updates=float(self.layout.updates_per_step),
+                                     lr=self.scheduler.get_last_lr()[0])
             if update.skipped_updates < self.layout.updates_per_step:
                 self._update_averages()
         timings = {"time/rollout_s": clock.seconds["rollout"], "time/reward_s": clock.seconds["reward"],
@@ -328,8 +329,8 @@ class FluxGRPORecipe:
                 local.append(self.rewards(c.images, prompts).float())
                 ids.extend(c.ids)
         local = health.inject("nan_reward", step, self.rank, torch.cat(local))  # a no-op outside fault tests
-        nonfinite = finite_check(local, self.rewards.names)
         components = gather_by_index(local, torch.tensor(ids, device=local.device), self.layout.samples_per_step)
+        nonfinite = finite_check(components, self.rewards.names)  # over every rank's images
         groups = torch.arange(self.layout.samples_per_step, device=components.device) // self.cfg.sampling.group_size
         total = mix(components, self.rewards.weights.to(components.device), groups,
                     self.cfg.normalize_rewards_per_group)

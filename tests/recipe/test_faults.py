@@ -38,9 +38,10 @@ def faulty_run(tmp_path_factory):
 
 def test_nan_reward_skips_the_update_and_is_counted(faulty_run):
     r0 = faulty_run["rows"][0]
-    assert r0["skipped_updates"] == 1 and r0["nonfinite/tiny_world"] == 4  # rank 0's 4 images
-    assert "loss" not in r0  # no update ran
-    assert "nonfinite reward/loss/grad 4/0/0 | skipped 1" in faulty_run["log"]
+    assert r0["skipped_updates"] == 1 and r0["nonfinite/tiny_world"] == 8  # both ranks' 4 images, summed
+    assert "loss" not in r0 and "grad_norm" not in r0  # no update ran
+    assert r0["lr"] > 0 and r0["step_time_s"] > 0  # the row still says where the schedule and the clock were
+    assert "nonfinite reward/loss/grad 8/0/0 | skipped 1" in faulty_run["log"]
 
 
 def test_training_goes_on_after_a_skip(faulty_run):
