@@ -15,8 +15,8 @@ from grpo import checkpoint as ckpt
 from grpo.config import load_config, to_dict
 from grpo.lock import LOCK
 from tests import ROOT, TINY, snapshot
-from tests.recipe.launch import Run, run_plain, run_script, script_env, steps_logged, tiny_run, train_rows, \
-    wait_for_step
+from tests.recipe.launch import Run, max_abs_diff, run_plain, run_script, script_env, steps_logged, tiny_run, \
+    train_rows, trained_weights, wait_for_step
 from tools.launch import free_port
 
 LORA = str(ROOT / "recipes" / "configs" / "tiny" / "grpo_lora.yaml")
@@ -126,7 +126,7 @@ def stopped_run(tmp_path_factory):
         if run.proc.poll() is None:
             run.kill_all()
     return {"rc": rc, "out": out, "log": run.log.read_text(errors="replace"), "second": second, "holder": holder,
-            "steps": steps_logged(run)}
+            "steps": steps_logged(run), "args": args}
 
 
 def test_a_second_job_on_a_live_output_dir_exits_2_naming_the_holder(stopped_run):
@@ -147,3 +147,21 @@ def test_sigterm_to_the_launcher_saves_a_checkpoint_and_exits_0(stopped_run):
     assert [p.name for p in saved] == [ckpt.checkpoint_name(done)] and 1 <= done < 50
     assert ckpt.verify(saved[0]) is None
     assert not (stopped_run["out"] / LOCK).exists()  # released on exit
+
+
+@pytest.mark.slow
+def test_a_run_stopped_by_sigterm_resumes_to_the_uninterrupted_weights(stopped_run, tmp_path):
+    """Preemption end to end: the SIGTERM'd run, resumed with checkpoint.resume=auto for one more step, ends with the
+    very weights of a run that was never interrupted."""
+    out, done = stopped_run["out"], len(train_rows(stopped_run["out"]))
+    common = [a for a in stopped_run["args"] if not a.startswith(("max_steps=", "output_dir="))]
+    common.append(f"max_steps={done + 1}")
+    resumed = run_script("run.sh", [LORA, *common, f"output_dir={out}", "checkpoint.resume=auto"],
+                         extra_env={"NPROC": "2"}, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    fresh = run_script("run.sh", [LORA, *common, f"output_dir={tmp_path / 'fresh'}"], extra_env={"NPROC": "2"},
+                       timeout=600)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    final = ckpt.checkpoint_name(done + 1)
+    assert max_abs_diff(trained_weights(out / "checkpoints" / final, "model"),
+                        trained_weights(tmp_path / "fresh" / "checkpoints" / final, "model")) == 0.0
