@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from grpo.sde import _bcast
+
 __all__ = ["awm_loss", "decay", "forward_noise", "nft_loss", "optimality_weight", "velocity_mse"]
 
 
@@ -19,13 +21,9 @@ def _mean_d(x: Tensor) -> Tensor:
     return x.mean(dim=tuple(range(1, x.ndim)))
 
 
-def _bcast(t: Tensor, like: Tensor) -> Tensor:
-    return t.reshape(-1, *([1] * (like.ndim - 1)))
-
-
 def forward_noise(x0: Tensor, eps: Tensor, t: Tensor) -> Tensor:
     """x_t = (1 - t)·x0 + t·eps, the flow-matching forward process at noise level t ([B])."""
-    tb = _bcast(t.float(), x0)
+    tb = _bcast(t.float(), x0.ndim)
     return (1 - tb) * x0.float() + tb * eps.float()
 
 
@@ -61,7 +59,7 @@ def nft_loss(v_theta: Tensor, v_old: Tensor, x_t: Tensor, x0: Tensor, t: Tensor,
     Returns:
         loss (scalar, with graph) and detached stats: loss_pos, loss_neg (batch means of L^±).
     """
-    tb = _bcast(t.float(), x_t)
+    tb = _bcast(t.float(), x_t.ndim)
     v_theta, v_old, x_t, x0 = v_theta.float(), v_old.float().detach(), x_t.float(), x0.float()
     pos = beta * v_theta + (1 - beta) * v_old
     neg = (1 + beta) * v_old - beta * v_theta
