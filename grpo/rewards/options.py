@@ -48,6 +48,9 @@ class OpenClipArch(ModelOptions):
 class OpenClipOptions(OpenClipArch):
     pretrained: str = setting("laion2b_s32b_b79k",
                               help="open_clip tag of `model`, hf-hub:ORG/NAME, local open_clip folder or checkpoint file")
+    pretrained_tag: str | None = setting(None, help="open_clip tag of `model` whose weights a local checkpoint file "
+                                                    "holds (its QuickGELU and preprocessing); null = from the file")
+    quick_gelu: bool | None = setting(None, help="QuickGELU activations; null = as open_clip's tag table says")
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -1,0 +1,86 @@
+"""Parity with the upstream scorers (uint8 inputs, processor configs, QuickGELU of local files) and one-line errors
+for broken reward files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from grpo.errors import ConfigError
+from grpo.rewards import build_rewards
+from grpo.rewards.openclip_loader import plan_open_clip
+
+from tests.unit.reward_inputs import PROMPTS, images
+
+
+def _pil(x: torch.Tensor) -> list[Image.Image]:
+    u8 = (x * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    return [Image.fromarray(a) for a in u8]
+
+
+# -- defect 1: a local checkpoint file gets its tag's QuickGELU and preprocessing ------------------------------------
+def test_local_file_gets_the_settings_of_its_tag(tmp_path) -> None:
+    openai = tmp_path / "ViT-L-14.pt"  # the file name of the openai tag's download
+    openai.touch()
+    plan = plan_open_clip("ViT-L-14", str(openai), "rewards.aesthetic")
+    assert plan.quick_gelu and plan.preprocess["resize_mode"] == "shortest"
+    dfn = tmp_path / "open_clip_pytorch_model.bin"  # ViT-H-14-378 has one tag (dfn5b): QuickGELU, squash
+    dfn.touch()
+    plan = plan_open_clip("ViT-H-14-378", str(dfn), "rewards.clip_score")
+    assert plan.quick_gelu and plan.preprocess["resize_mode"] == "squash"
+    # ViT-L-14 tags disagree (openai: QuickGELU; laion2b_s32b_b82k: GELU, mean 0.5): the file's tag must be named.
+    other = tmp_path / "weights.pt"
+    other.touch()
+    with pytest.raises(ConfigError, match=r"rewards\.aesthetic\.pretrained_tag") as err:
+        plan_open_clip("ViT-L-14", str(other), "rewards.aesthetic")
+    assert "\n" not in str(err.value)
+    plan = plan_open_clip("ViT-L-14", str(other), "rewards.aesthetic", pretrained_tag="laion2b_s32b_b82k")
+    assert not plan.quick_gelu and plan.preprocess["mean"] == (0.5, 0.5, 0.5)
+    assert plan_open_clip("ViT-H-14-378", str(dfn), "rewards.clip_score", quick_gelu=False).quick_gelu is False
+
+
+def test_local_file_quick_gelu_reaches_the_model(tmp_path) -> None:
+    import open_clip
+
+    spec = {"model": "ViT-B-32", "pretrained": str(tmp_path / "ViT-B-32.pt")}
+    torch.save(open_clip.create_model("ViT-B-32", pretrained=None, force_quick_gelu=True).state_dict(),
+               spec["pretrained"])
+    reward = build_rewards({"clip_score": spec}, "cpu")["clip_score"]  # ViT-B-32.pt: the openai tag's file
+    acts = [type(m).__name__ for m in reward.model.modules()]
+    assert "QuickGELU" in acts
+
+
+# -- defect 4: broken files are one-line ConfigErrors ----------------------------------------------------------
+def _copy_spec(spec: dict, key: str, tmp_path: Path) -> tuple[dict, Path]:
+    folder = tmp_path / key
+    shutil.copytree(spec[key], folder)
+    return {**spec, key: str(folder)}, folder
+
+
+@pytest.mark.parametrize("payload", [b"not a checkpoint at all", b"\x80\x04\x95"])
+def test_unreadable_checkpoints(tiny_reward_spec, tmp_path, payload) -> None:
+    hps, folder = _copy_spec(tiny_reward_spec["hpsv2"], "repo", tmp_path)
+    (folder / "HPS_v2.1_compressed.pt").write_bytes(payload)
+    clip, cfolder = _copy_spec(tiny_reward_spec["clip_score"], "pretrained", tmp_path)
+    (cfolder / "open_clip_model.safetensors").write_bytes(payload)
+    aes, afolder = _copy_spec(tiny_reward_spec["aesthetic"], "mlp_repo", tmp_path)
+    (afolder / "sac+logos+ava1-l14-linearMSE.pth").write_bytes(payload)
+    for name, spec, option, file in [("hpsv2", hps, "repo", "HPS_v2.1_compressed.pt"),
+                                     ("clip_score", clip, "pretrained", "open_clip_model.safetensors"),
+                                     ("aesthetic", aes, "mlp_filename", "sac+logos+ava1-l14-linearMSE.pth")]:
+        with pytest.raises(ConfigError) as err:
+            build_rewards({name: spec}, "cpu")
+        msg = str(err.value)
+        assert msg.startswith(f"rewards.{name}.{option}: ") and file in msg and "\n" not in msg, msg
+
+
+def test_unsafe_pickle_is_a_config_error(tiny_reward_spec, tmp_path) -> None:
+    hps, folder = _copy_spec(tiny_reward_spec["hpsv2"], "repo", tmp_path)
+    torch.save({"state_dict": {}, "evil": Path("x")}, folder / "HPS_v2.1_compressed.pt")  # weights_only refuses
+    with pytest.raises(ConfigError, match=r"^rewards\.hpsv2\.repo: cannot read checkpoint .*UnpicklingError"):
+        build_rewards({"hpsv2": hps}, "cpu")
