@@ -31,7 +31,7 @@ from grpo.rewards.hub import FileRef, is_local, locate
 from grpo.rewards.preprocess import normalize, resize_longest_pad, resize_shortest_center_crop, squash
 
 __all__ = ["OpenClipPlan", "OpenClipReward", "check_arch", "plan_open_clip", "register_model_config", "load_open_clip",
-           "clip_preprocess", "first_line"]
+           "clip_preprocess", "first_line", "pil_transform"]
 
 logger = logging.getLogger(__name__)
 
@@ -246,6 +246,14 @@ def clip_preprocess(images: Tensor, cfg: dict[str, Any]) -> Tensor:
     return normalize(x, cfg["mean"], cfg["std"])
 
 
+def pil_transform(images: Tensor, transform: Any) -> Tensor:
+    """`transform` (PIL image -> [3, h, w]) on the uint8 PIL images of [B, 3, H, W] in [0, 1], back on their device."""
+    from PIL import Image
+
+    u8 = (images.float() * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    return torch.stack([transform(Image.fromarray(a)) for a in u8]).to(images.device)
+
+
 class OpenClipReward(ModelReward):
     """An open_clip-backed reward (HPS, CLIP score, the aesthetic predictor): plan, start-up checks, loading.
 
@@ -286,8 +294,22 @@ class OpenClipReward(ModelReward):
         return [self.model]
 
     def preprocess(self, images: Tensor) -> Tensor:
-        """This model's open_clip eval transform on [B, 3, H, W] in [0, 1]."""
-        return clip_preprocess(images.float(), self.preprocess_cfg)
+        """This model's open_clip eval transform on [B, 3, H, W] in [0, 1].
+
+        With `quantize` (default) open_clip's own transform runs on the uint8 PIL images, on the CPU, as upstream
+        does (its PIL resize rounds to uint8 after each pass, which no tensor resize reproduces); without it, our
+        tensor version runs on the scoring device.
+        """
+        if not self.quantize:
+            return clip_preprocess(images.float(), self.preprocess_cfg)
+        return pil_transform(images, self._transform())
+
+    def _transform(self) -> Any:
+        if getattr(self, "_pil_transform", None) is None:
+            from open_clip.transform import PreprocessCfg, image_transform_v2
+
+            self._pil_transform = image_transform_v2(PreprocessCfg(**self.preprocess_cfg), is_train=False)
+        return self._pil_transform
 
     def cosine(self, pixels: Tensor, prompts: list[str], device: torch.device) -> Tensor:
         """Cosine of the L2-normalised image and prompt embeddings ([b]); each distinct prompt is encoded once."""

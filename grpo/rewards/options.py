@@ -32,10 +32,13 @@ class CommonOptions:
 class ModelOptions(CommonOptions):
     """Options every reward backed by a neural network has."""
 
-    dtype: str = setting("float32", choices=DTYPE_NAMES, help="weights dtype of the reward model")
+    dtype: str = setting("float32", choices=DTYPE_NAMES,
+                         help="weights dtype of the reward model (LayerNorms stay float32)")
     device: str | None = setting(None, choices=("cpu",), help="null = the rank's device; cpu = keep the model on the CPU")
     offload: bool = setting(False, help="keep the model on the CPU between scoring phases (Rewards.on_device())")
     cache_dir: str | None = setting(None, help="Hugging Face cache folder (default: HF_HUB_CACHE)")
+    quantize: bool = setting(True, help="score images rounded to uint8 levels, as upstream scores PIL images; "
+                                        "false = the float decode")
 
 
 @dataclass(kw_only=True)

@@ -55,6 +55,17 @@ def test_local_file_quick_gelu_reaches_the_model(tmp_path) -> None:
     assert "QuickGELU" in acts
 
 
+# -- defect 2: uint8 quantisation reproduces the PIL pipelines --------------------------------------------------------
+def test_quantize_option_rounds_inputs_of_model_rewards_only(tiny_reward_spec) -> None:
+    x = images(2, 32, 32, seed=2)
+    rewards = build_rewards({"clip_score": tiny_reward_spec["clip_score"], "tiny_world": 1.0}, "cpu")
+    u8 = (x * 255).round().clamp(0, 255).to(torch.uint8).float() / 255
+    assert torch.equal(rewards["clip_score"].prepare(x), u8)
+    assert torch.equal(rewards["tiny_world"].prepare(x), x)
+    off = build_rewards({"clip_score": {**tiny_reward_spec["clip_score"], "quantize": False}}, "cpu")
+    assert torch.equal(off["clip_score"].prepare(x), x)
+
+
 # -- defect 4: broken files are one-line ConfigErrors ----------------------------------------------------------
 def _copy_spec(spec: dict, key: str, tmp_path: Path) -> tuple[dict, Path]:
     folder = tmp_path / key
@@ -84,3 +95,24 @@ def test_unsafe_pickle_is_a_config_error(tiny_reward_spec, tmp_path) -> None:
     torch.save({"state_dict": {}, "evil": Path("x")}, folder / "HPS_v2.1_compressed.pt")  # weights_only refuses
     with pytest.raises(ConfigError, match=r"^rewards\.hpsv2\.repo: cannot read checkpoint .*UnpicklingError"):
         build_rewards({"hpsv2": hps}, "cpu")
+
+
+def test_open_clip_rewards_equal_open_clip_on_pil(tiny_reward_spec) -> None:
+    """clip_score and the aesthetic backbone: open_clip's own loader and transform on PIL images (the reference)."""
+    import open_clip
+
+    from grpo.rewards.aesthetic import MLP_FILE, AestheticMLP
+
+    x, prompts = images(len(PROMPTS), 64, 96, seed=1), list(PROMPTS)
+    name = "local-dir:" + tiny_reward_spec["clip_score"]["pretrained"]
+    model, _, preprocess = open_clip.create_model_and_transforms(name)
+    model.eval()
+    mlp = AestheticMLP.from_state_dict(
+        torch.load(Path(tiny_reward_spec["aesthetic"]["mlp_repo"]) / MLP_FILE, weights_only=True), "test").eval()
+    with torch.no_grad():
+        img = model.encode_image(torch.stack([preprocess(p) for p in _pil(x)]), normalize=True)
+        txt = model.encode_text(open_clip.get_tokenizer(name)(prompts), normalize=True)
+        aesthetic = mlp(img).squeeze(-1)
+    rewards = build_rewards({k: tiny_reward_spec[k] for k in ("clip_score", "aesthetic")}, "cpu")(x, prompts)
+    torch.testing.assert_close(rewards[:, 0], (img * txt).sum(-1), atol=1e-6, rtol=0)
+    torch.testing.assert_close(rewards[:, 1], aesthetic, atol=1e-6, rtol=0)
