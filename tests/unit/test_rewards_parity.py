@@ -56,6 +56,23 @@ def test_local_file_quick_gelu_reaches_the_model(tmp_path) -> None:
 
 
 # -- defect 2: uint8 quantisation reproduces the PIL pipelines --------------------------------------------------------
+def test_pickscore_equals_clip_processor_on_pil(tiny_reward_spec) -> None:
+    from transformers import CLIPModel, CLIPProcessor
+
+    spec = tiny_reward_spec["pickscore"]
+    x, prompts = images(len(PROMPTS), 64, 97, seed=5), list(PROMPTS)
+    processor = CLIPProcessor.from_pretrained(spec["processor"])
+    model = CLIPModel.from_pretrained(spec["model"]).eval()
+    with torch.no_grad():
+        out = model(**processor(text=prompts, padding=True, truncation=True, max_length=77, return_tensors="pt"),
+                    **processor(images=_pil(x), return_tensors="pt"))
+    expected = (out.image_embeds * out.text_embeds).sum(-1)
+    torch.testing.assert_close(build_rewards({"pickscore": spec}, "cpu")(x, prompts)[:, 0], expected,
+                               atol=1e-6, rtol=0)
+    off = build_rewards({"pickscore": {**spec, "quantize": False}}, "cpu")(x, prompts)[:, 0]
+    assert (off - expected).abs().max() > 1e-6  # the float decode is a different input
+
+
 def test_quantize_option_rounds_inputs_of_model_rewards_only(tiny_reward_spec) -> None:
     x = images(2, 32, 32, seed=2)
     rewards = build_rewards({"clip_score": tiny_reward_spec["clip_score"], "tiny_world": 1.0}, "cpu")
@@ -66,7 +83,29 @@ def test_quantize_option_rounds_inputs_of_model_rewards_only(tiny_reward_spec) -
     assert torch.equal(off["clip_score"].prepare(x), x)
 
 
-# -- defect 4: broken files are one-line ConfigErrors ----------------------------------------------------------
+# -- defect 6: every field of the processor config --------------------------------------------------------------------
+def test_pickscore_honours_a_non_default_processor_config(tiny_reward_spec, tmp_path) -> None:
+    from transformers import CLIPModel, CLIPProcessor
+
+    spec = tiny_reward_spec["pickscore"]
+    proc = tmp_path / "processor"
+    shutil.copytree(spec["processor"], proc)
+    cfg = json.loads((proc / "preprocessor_config.json").read_text())
+    cfg.update({"resample": 2, "size": {"height": 240, "width": 256}, "crop_size": {"height": 224, "width": 224},
+                "image_mean": [0.5, 0.4, 0.3], "image_std": [0.2, 0.25, 0.3], "do_center_crop": True})
+    (proc / "preprocessor_config.json").write_text(json.dumps(cfg))
+    x, prompts = images(3, 70, 50, seed=9), list(PROMPTS[:3])
+    processor = CLIPProcessor.from_pretrained(proc)
+    model = CLIPModel.from_pretrained(spec["model"]).eval()
+    with torch.no_grad():
+        out = model(**processor(text=prompts, padding=True, return_tensors="pt"),
+                    **processor(images=_pil(x), return_tensors="pt"))
+    expected = (out.image_embeds * out.text_embeds).sum(-1)
+    ours = build_rewards({"pickscore": {**spec, "processor": str(proc)}}, "cpu")(x, prompts)[:, 0]
+    torch.testing.assert_close(ours, expected, atol=1e-6, rtol=0)
+
+
+# -- defects 4 and 5: broken files are one-line ConfigErrors ----------------------------------------------------------
 def _copy_spec(spec: dict, key: str, tmp_path: Path) -> tuple[dict, Path]:
     folder = tmp_path / key
     shutil.copytree(spec[key], folder)
@@ -95,6 +134,22 @@ def test_unsafe_pickle_is_a_config_error(tiny_reward_spec, tmp_path) -> None:
     torch.save({"state_dict": {}, "evil": Path("x")}, folder / "HPS_v2.1_compressed.pt")  # weights_only refuses
     with pytest.raises(ConfigError, match=r"^rewards\.hpsv2\.repo: cannot read checkpoint .*UnpicklingError"):
         build_rewards({"hpsv2": hps}, "cpu")
+
+
+@pytest.mark.parametrize("change", ["drop", "extra"])
+def test_pickscore_loads_strictly(tiny_reward_spec, tmp_path, change) -> None:
+    from safetensors.torch import load_file, save_file
+
+    spec, folder = _copy_spec(tiny_reward_spec["pickscore"], "model", tmp_path)
+    state = load_file(str(folder / "model.safetensors"))
+    if change == "drop":
+        state.pop("visual_projection.weight")
+    else:
+        state["text_model.extra_head.weight"] = torch.zeros(2)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"^rewards\.pickscore\.model: .* is not a complete CLIPModel") as err:
+        build_rewards({"pickscore": spec}, "cpu")
+    assert "\n" not in str(err.value)
 
 
 def test_open_clip_rewards_equal_open_clip_on_pil(tiny_reward_spec) -> None:
