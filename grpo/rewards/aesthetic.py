@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from grpo.errors import ConfigError
 from grpo.rewards.hub import FileRef, locate
-from grpo.rewards.openclip_loader import OpenClipReward
+from grpo.rewards.openclip_loader import OpenClipReward, first_line
 from grpo.rewards.options import OpenClipOptions
 from grpo.schema import setting
 
@@ -80,12 +80,18 @@ class AestheticReward(OpenClipReward):
 
     def _load_extra(self, options: dict[str, Any], setting: str) -> None:
         path = locate(self._extra_files(options, setting)[0], self.cache_dir, download=True)
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
+        try:
+            if path.suffix == ".safetensors":
+                from safetensors.torch import load_file
 
-            state = load_file(str(path))
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+                state = load_file(str(path))
+            else:
+                state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # pickle.UnpicklingError (weights_only), safetensors errors, OSError, EOFError, ...
+            raise ConfigError(f"{setting}.mlp_filename: cannot read the MLP head {path} ({first_line(err)}); "
+                              f"give the linearMSE head as a .pth state dict or .safetensors") from err
+        if not isinstance(state, dict):
+            raise ConfigError(f"{setting}.mlp_filename: {path} holds a {type(state).__name__}, not a state dict")
         self.mlp = AestheticMLP.from_state_dict(state, f"{setting}.mlp_filename ({path})")
         embed_dim = self.model.visual.output_dim
         if self.mlp.layers[0].in_features != embed_dim:

@@ -13,7 +13,7 @@ from grpo.rewards.hub import FileRef
 from grpo.rewards.options import CommonOptions, parse_dtype
 from grpo.rewards.preprocess import check_images
 
-__all__ = ["Reward", "ModelReward", "unique_prompts", "freeze"]
+__all__ = ["Reward", "ModelReward", "unique_prompts", "freeze", "quantize_uint8", "cast_keeping_norms_fp32"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,43 @@ def freeze(module: nn.Module) -> nn.Module:
     module.eval()
     module.requires_grad_(False)
     return module
+
+
+def quantize_uint8(images: Tensor) -> Tensor:
+    """Float images in [0, 1] -> float32 on uint8 levels: round(x * 255) / 255, clamped.
+
+    Bit-for-bit what ToTensor gives for the PIL image that upstream scorers (HPSv2, DanceGRPO, Flow-GRPO, DDPO) score.
+    """
+    return (images.float() * 255).round_().clamp_(0, 255).to(torch.uint8).float().div_(255)
+
+
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d)
+
+
+def _norm_in_fp32(module: nn.Module, args: tuple) -> tuple:
+    return tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+
+def _norm_out_dtype(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+    return output.to(module._grpo_out_dtype)
+
+
+def cast_keeping_norms_fp32(module: nn.Module, dtype: torch.dtype) -> None:
+    """Casts `module` to `dtype` except its normalisation layers, which keep float32 weights and run in float32.
+
+    Their inputs are upcast and their outputs cast back to `dtype` (hooks), so Linear/Conv/attention run in `dtype`.
+    A no-op cast for float32.
+    """
+    module.to(dtype=dtype)
+    if dtype == torch.float32:
+        return
+    for m in module.modules():
+        if isinstance(m, _NORMS) and not getattr(m, "_grpo_fp32", False):
+            m.float()
+            m._grpo_fp32 = True
+            m._grpo_out_dtype = dtype
+            m.register_forward_pre_hook(_norm_in_fp32)
+            m.register_forward_hook(_norm_out_dtype)
 
 
 class Reward:
@@ -90,13 +127,17 @@ class Reward:
         step = self.batch_size or max(n, 1)
         device = self.device
         out = [
-            self.score(images[i : i + step].to(device), prompts[i : i + step]).float().reshape(-1)
+            self.score(self.prepare(images[i : i + step].to(device)), prompts[i : i + step]).float().reshape(-1)
             for i in range(0, n, step)
         ]
         scores = torch.cat(out) if out else torch.zeros(0)
         if scores.shape[0] != n:
             raise RuntimeError(f"reward {self.name} returned {scores.shape[0]} scores for {n} images")
         return scores.to(images.device)
+
+    def prepare(self, images: Tensor) -> Tensor:
+        """What `score` receives for a chunk of images (model rewards: uint8-quantised unless quantize: false)."""
+        return images
 
     # -- placement ----------------------------------------------------------------------------------------------------
     def modules(self) -> list[nn.Module]:
@@ -126,6 +167,7 @@ class ModelReward(Reward):
         self.home = torch.device("cpu") if options["device"] == "cpu" else torch.device(device)
         self.offloadable = bool(options["offload"]) and self.home.type != "cpu"
         self.cache_dir = options["cache_dir"]
+        self.quantize = bool(options.get("quantize", True))
         self._where = torch.device("cpu") if self.offloadable else self.home
 
     @property
@@ -135,7 +177,10 @@ class ModelReward(Reward):
     def place(self) -> None:
         """Freezes the modules and puts them where they start: CPU if offloadable, else the scoring device."""
         for m in self.modules():
-            freeze(m).to(device=self._where, dtype=self.dtype)
+            cast_keeping_norms_fp32(freeze(m).to(device=self._where), self.dtype)
+
+    def prepare(self, images: Tensor) -> Tensor:
+        return quantize_uint8(images) if self.quantize else images.float()
 
     def _move(self, device: torch.device) -> None:
         for m in self.modules():

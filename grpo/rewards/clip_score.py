@@ -3,7 +3,7 @@
 `model` + `pretrained` choose the CLIP: ViT-H-14 + laion2b_s32b_b79k (default), ViT-H-14-378 + dfn5b or
 "hf-hub:apple/DFN5B-CLIP-ViT-H-14-378" (DanceGRPO's multi-reward CLIP, 378 px, QuickGELU, squash resize), any other
 open_clip tag, hub repo or local folder (see grpo/rewards/openclip_loader.py). Preprocessing is the model's own
-open_clip eval transform, on tensors.
+open_clip eval transform: on the uint8 PIL images (`quantize`, default), or our tensor version of it.
 
 `scale` multiplies the cosine. The default 1.0 gives the bare cosine, the number DanceGRPO and its follow-ups report as
 "CLIP score" (about 0.3-0.43 on FLUX) and on the same scale as HPS, so mix weights compare directly. 100 gives

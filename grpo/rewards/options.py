@@ -32,10 +32,13 @@ class CommonOptions:
 class ModelOptions(CommonOptions):
     """Options every reward backed by a neural network has."""
 
-    dtype: str = setting("float32", choices=DTYPE_NAMES, help="weights dtype of the reward model")
+    dtype: str = setting("float32", choices=DTYPE_NAMES,
+                         help="weights dtype of the reward model (LayerNorms stay float32)")
     device: str | None = setting(None, choices=("cpu",), help="null = the rank's device; cpu = keep the model on the CPU")
     offload: bool = setting(False, help="keep the model on the CPU between scoring phases (Rewards.on_device())")
     cache_dir: str | None = setting(None, help="Hugging Face cache folder (default: HF_HUB_CACHE)")
+    quantize: bool = setting(True, help="score images rounded to uint8 levels, as upstream scores PIL images; "
+                                        "false = the float decode")
 
 
 @dataclass(kw_only=True)
@@ -48,6 +51,9 @@ class OpenClipArch(ModelOptions):
 class OpenClipOptions(OpenClipArch):
     pretrained: str = setting("laion2b_s32b_b79k",
                               help="open_clip tag of `model`, hf-hub:ORG/NAME, local open_clip folder or checkpoint file")
+    pretrained_tag: str | None = setting(None, help="open_clip tag of `model` whose weights a local checkpoint file "
+                                                    "holds (its QuickGELU and preprocessing); null = from the file")
+    quick_gelu: bool | None = setting(None, help="QuickGELU activations; null = as open_clip's tag table says")
 
 
 def parse_dtype(name: str) -> torch.dtype:

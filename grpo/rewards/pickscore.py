@@ -10,8 +10,11 @@ Score: the cosine by default, `logit_scale: true` multiplies by exp(logit_scale)
 (DanceGRPO fastvideo/train_grpo_flux.py --use_pickscore: cosine, no logit scale) and because it keeps PickScore (~0.2-0.25) on the same scale as HPS and CLIP score, so
 weights in a mix mean what they say; within one reward the group-normalised advantages do not depend on the scale.
 
-Preprocessing is the processor's CLIPImageProcessor on tensors: shortest side to size["shortest_edge"] (bicubic,
-antialiased), centre crop (transformers' floor split), rescale to [0, 1], normalise with its mean/std.
+Preprocessing is transformers' own CLIPImageProcessor (torchvision backend) built from the processor's
+preprocessor_config.json, run on the image tensors on the scoring device, so every field (resample, do_resize,
+do_center_crop, do_rescale, do_normalize, size, crop_size, mean/std) counts as upstream. With `quantize` (default)
+it gets uint8 tensors: exactly what it computes from the PIL images of the PickScore README. The model is loaded
+strictly: missing, unexpected or mis-shaped weights are a ConfigError (transformers would only warn).
 transformers >= 5 returns a BaseModelOutputWithPooling from get_*_features; `_embeddings` unwraps it.
 """
 
@@ -24,10 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from grpo.errors import ConfigError
 from grpo.rewards.base import ModelReward, unique_prompts
 from grpo.rewards.hub import FileRef, hub_offline, is_local
+from grpo.rewards.openclip_loader import first_line
 from grpo.rewards.options import ModelOptions
-from grpo.rewards.preprocess import normalize, resize_shortest_center_crop
 from grpo.schema import setting
 
 __all__ = ["PickScoreReward", "PickScoreOptions"]
@@ -35,7 +39,6 @@ __all__ = ["PickScoreReward", "PickScoreOptions"]
 MODEL_REPO = "yuvalkirstain/PickScore_v1"
 PROCESSOR_REPO = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-_RESAMPLE = {2: "bilinear", 3: "bicubic"}  # PIL codes
 
 
 def _embeddings(out: Any) -> Tensor:
@@ -43,10 +46,6 @@ def _embeddings(out: Any) -> Tensor:
     if isinstance(out, Tensor):
         return out
     return out.pooler_output
-
-
-def _get(cfg: Any, key: str) -> Any:
-    return cfg[key] if isinstance(cfg, dict) else getattr(cfg, key, None)
 
 
 @dataclass(kw_only=True)
@@ -76,22 +75,32 @@ class PickScoreReward(ModelReward):
 
     def __init__(self, name: str, device: torch.device, options: dict[str, Any]) -> None:
         super().__init__(name, device, options)
-        from transformers import CLIPModel, CLIPProcessor
+        from transformers import CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+        setting_name = f"rewards.{name}"
 
         def source(value: str) -> dict[str, Any]:
             local = is_local(value)
             return {"pretrained_model_name_or_path": value, "cache_dir": self.cache_dir,
                     "local_files_only": local or hub_offline()}
 
-        processor = CLIPProcessor.from_pretrained(**source(options["processor"]))
-        self.tokenizer = processor.tokenizer
-        ip = processor.image_processor
-        self.short = int(_get(ip.size, "shortest_edge") or min(_get(ip.size, "height"), _get(ip.size, "width")))
-        self.crop = (int(_get(ip.crop_size, "height")), int(_get(ip.crop_size, "width")))
-        self.mean, self.std = tuple(ip.image_mean), tuple(ip.image_std)
-        resample = getattr(ip.resample, "value", ip.resample)
-        self.interpolation = _RESAMPLE.get(int(resample) if resample is not None else 3, "bicubic")
-        self.model = CLIPModel.from_pretrained(**source(options["model"]), dtype=torch.float32)
+        def load(option: str, fn: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(**source(options[option]), **kwargs)
+            except Exception as err:  # OSError, unpickling/safetensors errors, bad JSON, ...
+                raise ConfigError(f"{setting_name}.{option}: cannot load {options[option]} "
+                                  f"({first_line(err)})") from err
+
+        self.tokenizer = load("processor", CLIPProcessor.from_pretrained).tokenizer
+        # torchvision backend, whatever class the processor files name: it takes tensors on the scoring device.
+        self.image_processor = load("processor", CLIPImageProcessor.from_pretrained)
+        self.model, info = load("model", CLIPModel.from_pretrained, dtype=torch.float32, output_loading_info=True)
+        wrong = {k: list(info.get(k) or ()) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+        if any(wrong.values()):
+            found = "; ".join(f"{k.replace('_', ' ')} ({len(v)}): {', '.join(map(str, v[:3]))}"
+                              for k, v in wrong.items() if v)
+            raise ConfigError(f"{setting_name}.model: {options['model']} is not a complete CLIPModel checkpoint "
+                              f"({found}); give the PickScore_v1 repo or folder")
         self.logit_scale = options["logit_scale"]
         self.max_length = options["max_length"]
         self.place()
@@ -100,10 +109,11 @@ class PickScoreReward(ModelReward):
         return [self.model]
 
     def preprocess(self, images: Tensor) -> Tensor:
-        """CLIPImageProcessor on [B, 3, H, W] in [0, 1] -> [B, 3, crop_h, crop_w] normalised."""
-        x = resize_shortest_center_crop(images.float(), self.short, self.crop, self.interpolation,
-                                        crop_rounding="floor")
-        return normalize(x, self.mean, self.std)
+        """CLIPImageProcessor on [B, 3, H, W] in [0, 1] -> pixel_values; uint8 levels (quantize) or 0-255 floats."""
+        x = images.float() * 255
+        x = x.round().clamp(0, 255).to(torch.uint8) if self.quantize else x
+        out = self.image_processor(images=x, return_tensors="pt")["pixel_values"]
+        return out.to(device=images.device, dtype=torch.float32)
 
     def score(self, images: Tensor, prompts: list[str]) -> Tensor:
         pixels = self.preprocess(images).to(self.dtype)
