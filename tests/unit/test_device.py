@@ -280,25 +280,34 @@ NPU_SMI_M = """\
 """
 
 
-def _source_npu_env(tmp_path: Path, exports: str = "", with_npu_smi: bool = True) -> dict[str, str]:
-    """Sources launch/npu_env.sh under `set -euo pipefail` with a fake CANN toolkit and a fake npu-smi."""
-    toolkit = tmp_path / "ascend-toolkit"
-    toolkit.mkdir(exist_ok=True)
+def _fake_cann(folder: Path, marker: str = "1") -> Path:
+    """A CANN install folder whose set_env.sh exports FAKE_CANN_SOURCED=marker."""
+    folder.mkdir(parents=True, exist_ok=True)
     # Like CANN's real script it reads unset variables and ends non-zero; sourcing must survive both.
-    (toolkit / "set_env.sh").write_text('export FAKE_CANN_SOURCED=1\nexport LD_LIBRARY_PATH="x:$LD_LIBRARY_PATH"\n'
-                                        "false\n")
+    (folder / "set_env.sh").write_text(f'export FAKE_CANN_SOURCED={marker}\nexport LD_LIBRARY_PATH="x:$LD_LIBRARY_PATH"\n'
+                                       "false\n")
+    return folder
+
+
+def _source_npu_env(tmp_path: Path, exports: str | None = None, with_npu_smi: bool = True) -> dict[str, str]:
+    """Sources launch/npu_env.sh under `set -euo pipefail` with a fake npu-smi on PATH and GRPO_ASCEND_ROOT (the
+    install root) at tmp_path/Ascend. By default a fake CANN toolkit is named by ASCEND_TOOLKIT_HOME; `exports`
+    replaces that line."""
+    if exports is None:
+        exports = f"export ASCEND_TOOLKIT_HOME={_fake_cann(tmp_path / 'ascend-toolkit')}"
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     if with_npu_smi:
         (bin_dir / "npu-smi").write_text(f"#!/bin/sh\ncat <<'TABLE'\n{NPU_SMI_M}TABLE\n")
         (bin_dir / "npu-smi").chmod(0o755)
-    script = (f"set -euo pipefail\nunset LD_LIBRARY_PATH\nexport ASCEND_TOOLKIT_HOME={toolkit}\n{exports}\n"
+    script = (f"set -euo pipefail\nunset LD_LIBRARY_PATH\n{exports}\n"
               f"source {REPO / 'launch' / 'npu_env.sh'}\n"
               'echo "OPTS=$-"\nset -o | grep -E "^pipefail" | tr -s " \\t" "=" | sed "s/^/PIPE/"\nenv\n')
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "GRPO_ASCEND_ROOT": str(tmp_path / "Ascend")}
     proc = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     out = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+    out["STDERR"] = proc.stderr
     return out
 
 
@@ -310,18 +319,56 @@ def test_npu_env_defaults_and_cann(tmp_path: Path):
     assert out["HCCL_CONNECT_TIMEOUT"] == "1200"
     assert out["HCCL_BUFFSIZE"] == "800"
     assert out["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
+    assert "PYTORCH_ALLOC_CONF" not in out
     assert out["TASK_QUEUE_ENABLE"] == "2"
     assert out["CPU_AFFINITY_CONF"] == "1"
-    assert out["ASCEND_RT_VISIBLE_DEVICES"] == "0,1"  # logic ids of the Ascend chips, Mcu rows skipped
+    # npu-smi is there, but its ids may be host ids in a container: device visibility is the runtime's.
+    assert "ASCEND_RT_VISIBLE_DEVICES" not in out
 
 
 def test_npu_env_keeps_user_values(tmp_path: Path):
-    out = _source_npu_env(tmp_path, "export HCCL_BUFFSIZE=123 TASK_QUEUE_ENABLE=0 ASCEND_RT_VISIBLE_DEVICES=4,5")
+    toolkit = _fake_cann(tmp_path / "ascend-toolkit")
+    out = _source_npu_env(tmp_path, f"export ASCEND_TOOLKIT_HOME={toolkit} HCCL_BUFFSIZE=123 TASK_QUEUE_ENABLE=0 "
+                                    "ASCEND_RT_VISIBLE_DEVICES=4,5")
     assert (out["HCCL_BUFFSIZE"], out["TASK_QUEUE_ENABLE"], out["ASCEND_RT_VISIBLE_DEVICES"]) == ("123", "0", "4,5")
     bare = tmp_path / "no_npu_smi"
     bare.mkdir()
     out = _source_npu_env(bare, with_npu_smi=False)
-    assert "ASCEND_RT_VISIBLE_DEVICES" not in out  # no npu-smi: left unset, the runtime then sees every chip
+    assert "ASCEND_RT_VISIBLE_DEVICES" not in out
+
+
+@pytest.mark.parametrize("layout", ["home_path", "home_path_latest", "toolkit_latest", "newest_cann", "none"])
+def test_npu_env_finds_cann(tmp_path: Path, layout: str):
+    root = tmp_path / "Ascend"
+    exports = ""
+    if layout == "home_path":  # ASCEND_HOME_PATH names the folder holding set_env.sh
+        exports = f"export ASCEND_HOME_PATH={_fake_cann(tmp_path / 'custom' / 'cann-9.1.0', 'home')}"
+    elif layout == "home_path_latest":  # ...or .../ascend-toolkit/latest, whose set_env.sh is one level up
+        _fake_cann(tmp_path / "custom" / "ascend-toolkit", "home")
+        (tmp_path / "custom" / "ascend-toolkit" / "latest").mkdir()
+        exports = f"export ASCEND_HOME_PATH={tmp_path / 'custom' / 'ascend-toolkit' / 'latest'}"
+    elif layout == "toolkit_latest":
+        _fake_cann(root / "ascend-toolkit" / "latest", "toolkit")
+    elif layout == "newest_cann":  # CANN >= 8.5 installs side by side; version order, not string order
+        for version in ("8.5.0", "9.1.0", "10.0.0"):
+            _fake_cann(root / f"cann-{version}", version)
+    out = _source_npu_env(tmp_path, exports)
+    expected = {"home_path": "home", "home_path_latest": "home", "toolkit_latest": "toolkit",
+                "newest_cann": "10.0.0", "none": None}[layout]
+    assert out.get("FAKE_CANN_SOURCED") == expected
+    assert ("CANN set_env.sh not found" in out["STDERR"]) is (expected is None)
+
+
+@pytest.mark.parametrize(("user", "expected"), [
+    ("", {"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True"}),
+    ("export PYTORCH_ALLOC_CONF=expandable_segments:False", {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}),
+    ("export PYTORCH_NPU_ALLOC_CONF=a:1", {"PYTORCH_NPU_ALLOC_CONF": "a:1"}),
+    ("export PYTORCH_NPU_ALLOC_CONF=a:1 PYTORCH_ALLOC_CONF=b:2", {"PYTORCH_NPU_ALLOC_CONF": "a:1"}),
+])
+def test_npu_env_exports_one_allocator_variable(tmp_path: Path, user: str, expected: dict):
+    toolkit = _fake_cann(tmp_path / "ascend-toolkit")
+    out = _source_npu_env(tmp_path, f"export ASCEND_TOOLKIT_HOME={toolkit}\n{user}")
+    assert {k: v for k, v in out.items() if k in ("PYTORCH_NPU_ALLOC_CONF", "PYTORCH_ALLOC_CONF")} == expected
 
 
 def _requirements(path: Path) -> dict[str, str]:
