@@ -77,6 +77,15 @@ export TASK_QUEUE_ENABLE
 : "${CPU_AFFINITY_CONF:=1}"
 export CPU_AFFINITY_CONF
 
+# Alignment runs (tools.align, comparing NPU with CPU/GPU or 1 with N processes): GRPO_ALIGNMENT_RUN=1 also makes
+# HCCL reduce in a fixed order (HCCL_DETERMINISTIC=true), so that gradients and all-reduced metrics repeat bit for bit.
+# Off otherwise: it slows all-reduce/reduce-scatter, and the first-pass ratio does not need it (model.deterministic
+# covers the kernels; ZeRO-3's all-gathers move weights without arithmetic). An HCCL_DETERMINISTIC you set is kept.
+if [[ "${GRPO_ALIGNMENT_RUN:-0}" == 1 ]]; then
+  : "${HCCL_DETERMINISTIC:=true}"
+  export HCCL_DETERMINISTIC
+fi
+
 # Which chips this job may use (ASCEND_RT_VISIBLE_DEVICES, the NPU's CUDA_VISIBLE_DEVICES) is left to the runtime
 # (every chip of the container) or to you / the scheduler: set it before sourcing. It is not derived from
 # `npu-smi`, whose ids are host ids inside a container that sees a subset of the chips, which made `set_device` fail.

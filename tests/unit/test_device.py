@@ -395,3 +395,34 @@ def test_requirements_npu_pairs_torch_and_mirrors_the_rest():
         k: v for k, v in npu.items() if k not in device_specific
     }
     assert "torch-npu" not in main
+
+
+def test_npu_env_hccl_determinism_only_for_alignment_runs(tmp_path: Path):
+    toolkit = f"export ASCEND_TOOLKIT_HOME={_fake_cann(tmp_path / 'ascend-toolkit')}"
+    assert "HCCL_DETERMINISTIC" not in _source_npu_env(tmp_path, toolkit)
+    assert _source_npu_env(tmp_path, f"{toolkit}\nexport GRPO_ALIGNMENT_RUN=1")["HCCL_DETERMINISTIC"] == "true"
+    out = _source_npu_env(tmp_path, f"{toolkit}\nexport GRPO_ALIGNMENT_RUN=1 HCCL_DETERMINISTIC=false")
+    assert out["HCCL_DETERMINISTIC"] == "false"
+
+
+class _NamedAccelerator:
+    def __init__(self, name: str):
+        self.name = name
+
+    def device_name(self, index=None):
+        return self.name
+
+
+@pytest.mark.parametrize("kind", ["npu", "cuda", "cpu"])
+def test_set_deterministic_on_accelerators_only(monkeypatch, kind: str):
+    monkeypatch.setattr(device, "accelerator", lambda: _NamedAccelerator(kind))
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    calls = []
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    assert device.set_deterministic(False) is False and not calls
+    assert device.set_deterministic(True) is (kind != "cpu")
+    assert calls == ([] if kind == "cpu" else [((True,), {"warn_only": True})])  # CPU numbers stay as they were
+    assert (os.environ.get("CUBLAS_WORKSPACE_CONFIG") == ":4096:8") is (kind == "cuda")
+    assert torch.backends.cudnn.deterministic is (kind == "cuda")
