@@ -388,7 +388,13 @@ def _requirements(path: Path) -> dict[str, str]:
 def test_requirements_npu_pairs_torch_and_mirrors_the_rest():
     main, npu = _requirements(REPO / "requirements.txt"), _requirements(REPO / "requirements-npu.txt")
     torch_pin = npu["torch"].removeprefix("==")
-    assert npu["torch-npu"].removeprefix("==").split(".post")[0] == torch_pin  # torch_npu X.Y.Z[.postN] <-> torch X.Y.Z
+    from packaging.specifiers import SpecifierSet
+
+    # torch_npu X.Y.Z and its X.Y.Z.postN fix releases pair with torch X.Y.Z; nothing else does
+    npu_pin = SpecifierSet(npu["torch-npu"])
+    assert all(v in npu_pin for v in (torch_pin, f"{torch_pin}.post1", f"{torch_pin}.post12"))
+    major, minor, patch = (int(p) for p in torch_pin.split("."))
+    assert not any(v in npu_pin for v in (f"{major}.{minor}.{patch + 1}", f"{major}.{minor + 1}.0", f"{torch_pin}rc1"))
     assert "torchvision" in npu
     device_specific = {"torch", "torchvision", "torch-npu"}
     assert {k: v for k, v in main.items() if k not in device_specific} == {
