@@ -40,7 +40,7 @@ if [[ -n "$_grpo_cann_env" ]]; then
   if [[ $_grpo_opts == *u* ]]; then set -u; fi
   unset _grpo_opts
 else
-  echo "[npu_env] CANN set_env.sh not found (set ASCEND_HOME_PATH or GRPO_ASCEND_ROOT); torch_npu will fail to import" >&2
+  echo "[npu_env] CANN set_env.sh not found (set ASCEND_HOME_PATH or GRPO_ASCEND_ROOT); torch_npu will not import" >&2
 fi
 unset _grpo_cann_env _grpo_dir _grpo_ascend_root
 

@@ -284,8 +284,8 @@ def _fake_cann(folder: Path, marker: str = "1") -> Path:
     """A CANN install folder whose set_env.sh exports FAKE_CANN_SOURCED=marker."""
     folder.mkdir(parents=True, exist_ok=True)
     # Like CANN's real script it reads unset variables and ends non-zero; sourcing must survive both.
-    (folder / "set_env.sh").write_text(f'export FAKE_CANN_SOURCED={marker}\nexport LD_LIBRARY_PATH="x:$LD_LIBRARY_PATH"\n'
-                                       "false\n")
+    (folder / "set_env.sh").write_text(f"export FAKE_CANN_SOURCED={marker}\n"
+                                       'export LD_LIBRARY_PATH="x:$LD_LIBRARY_PATH"\nfalse\n')
     return folder
 
 
