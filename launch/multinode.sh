@@ -33,6 +33,7 @@ else
   export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-65536}
 fi
 
+hostfile=""
 if [[ $1 == --torchrun ]]; then
   shift
   config=$1
@@ -51,11 +52,17 @@ else
           "$hostfile")
   (( world > 0 )) || { echo "error: hostfile $hostfile gives no slots; write one line per node: hostname slots=8" >&2
                        exit 2; }
-  # Every other node gets its environment from the launcher (deepspeed/launcher/runner.py): prefixes only, which
-  # drops PYTORCH_NPU_ALLOC_CONF, TASK_QUEUE_ENABLE, CPU_AFFINITY_CONF, MALLOC_MMAP_THRESHOLD_ and TOOLCHAIN_HOME (and
-  # on CPU/CUDA even HCCL*/ASCEND*), plus the KEY=VALUE lines of ".deepspeed_env" in ~ or the current folder, or of
-  # the file DS_ENV_FILE names. A per-job file named by DS_ENV_FILE carries this job's values without touching yours:
-  # the variables below as this shell has them, then the lines of your own file(s), which win.
+  cmd=(deepspeed --hostfile "$hostfile" --master_addr "$master" --master_port "${MASTER_PORT:-29500}"
+       "$recipe" --config "$config" "$@")
+fi
+# A bad setting fails here, in one process that loads no model, before every rank pays for its imports.
+python -m tools.check --world-size "$world" "$config" "$@"
+# Hostfile form: the other nodes get only what the launcher passes them (deepspeed/launcher/runner.py): variables
+# with its prefixes, which drops PYTORCH_NPU_ALLOC_CONF, TASK_QUEUE_ENABLE, CPU_AFFINITY_CONF, MALLOC_MMAP_THRESHOLD_
+# and TOOLCHAIN_HOME (and on CPU/CUDA even HCCL*/ASCEND*), plus the KEY=VALUE lines of ".deepspeed_env" in ~ or the
+# current folder, or of the file DS_ENV_FILE names. A per-job file named by DS_ENV_FILE carries this job's values
+# without touching yours: the variables below as this shell has them, then the lines of your own file(s), which win.
+if [[ ${hostfile:-} ]]; then
   env_file=$(mktemp "${TMPDIR:-/tmp}/grpo_deepspeed_env.XXXXXX")
   own=${DS_ENV_FILE:-.deepspeed_env}
   if [[ $own == /* ]]; then own=("$own"); else own=("$HOME/$own" "./$own"); fi
@@ -73,10 +80,6 @@ else
   } > "$env_file"
   export DS_ENV_FILE=$env_file
   echo "[launch] environment for every node: $env_file" >&2
-  cmd=(deepspeed --hostfile "$hostfile" --master_addr "$master" --master_port "${MASTER_PORT:-29500}"
-       "$recipe" --config "$config" "$@")
 fi
-# A bad setting fails here, in one process that loads no model, before every rank pays for its imports.
-python -m tools.check --world-size "$world" "$config" "$@"
 echo "[launch] ${cmd[*]}" >&2
 exec "${cmd[@]}"
