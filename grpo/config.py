@@ -38,6 +38,10 @@ class ModelConfig:
         resume=FREE, help="build the transformer in deepspeed.zero.Init and fill it from the shards (a node holds ~one "
                           "host copy); false = from_pretrained on every process")
     offload_vae: bool = setting(False, resume=FREE, help="keep the VAE on the CPU except while decoding")
+    deterministic: bool = setting(
+        True, resume=FREE,
+        help="NPU/CUDA: deterministic kernels (torch.use_deterministic_algorithms, warn_only), so that the first "
+             "pass's ratio is 1 to within clip_range; no effect on CPU, whose kernels are already run-to-run exact")
 
 
 @dataclass(kw_only=True)

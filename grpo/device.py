@@ -62,6 +62,7 @@ __all__ = [
     "resolve_dtype",
     "seed_everything",
     "set_attention_backend",
+    "set_deterministic",
 ]
 
 # Accepted spellings of the three compute dtypes; the config uses the short names.
@@ -284,6 +285,37 @@ def seed_everything(seed: int) -> None:
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     accelerator().manual_seed_all(seed)
+
+
+def set_deterministic(enabled: bool) -> bool:
+    """Deterministic kernels on NPU and CUDA (``model.deterministic``), for the first pass's ratio = 1 promise.
+
+    The update's first pass recomputes the rollout's log-probs; it reproduces them only if every kernel gives the same
+    bits run to run. Ascend (atomic-add reductions, split-K matmuls) and CUDA kernels do not by default. This calls
+    ``torch.use_deterministic_algorithms(True, warn_only=True)``: torch_npu maps it onto CANN's deterministic mode
+    (aclnn ops), CUDA onto deterministic cuBLAS/cuDNN/scatter kernels (``CUBLAS_WORKSPACE_CONFIG=:4096:8`` is set
+    unless already given, as cuBLAS requires); an op without a deterministic kernel warns instead of failing.
+    Collectives are another matter: HCCL reduces in a fixed order only with ``HCCL_DETERMINISTIC=true``, which
+    ``launch/npu_env.sh`` exports for alignment runs (``GRPO_ALIGNMENT_RUN=1``); it slows all-reduce and
+    reduce-scatter, and the ratio does not depend on it (the first pass and the rollout use the same gathered weights).
+
+    On the CPU nothing is changed: its kernels are already run-to-run exact here, and the switch would only risk other
+    kernels (and other numbers) than the default run's.
+
+    Args:
+        enabled: The setting; False leaves torch's defaults.
+
+    Returns:
+        True when deterministic algorithms were switched on.
+    """
+    if not enabled or accelerator().device_name() == "cpu":
+        return False
+    if accelerator().device_name() == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    return True
 
 
 def resolve_dtype(name: str) -> torch.dtype:

@@ -126,8 +126,14 @@ def _fmt(v) -> str:
     return f"{v:.2e}" if isinstance(v, float) else str(v)
 
 
-def health_line(step: int, stats: dict[str, float]) -> str:
-    """One line per step with what tells a healthy GRPO run from a sick one."""
+# ratio_max_dev above this fraction of clip_range means the first pass does not reproduce the rollout: the "ratio = 1"
+# promise is off, and with a small clip_range (1e-4) about half of the samples would be clipped.
+RATIO_DEV_WARN_FRACTION = 0.1
+
+
+def health_line(step: int, stats: dict[str, float], clip_range: float | None = None) -> str:
+    """One line per step with what tells a healthy GRPO run from a sick one; with ``clip_range`` it ends with a
+    warning when ``ratio_max_dev`` exceeds :data:`RATIO_DEV_WARN_FRACTION` of it (non-deterministic kernels)."""
     nonfinite_reward = sum(v for k, v in stats.items() if k.startswith("nonfinite/") and k not in
                            ("nonfinite/loss", "nonfinite/grad"))
     parts = [
@@ -143,4 +149,8 @@ def health_line(step: int, stats: dict[str, float]) -> str:
         f"skipped {int(stats.get('skipped_updates', 0))}",
         f"{_fmt(stats.get('step_time_s'))}s",
     ]
+    dev = stats.get("ratio_max_dev")
+    if clip_range is not None and dev is not None and dev > RATIO_DEV_WARN_FRACTION * clip_range:
+        parts.append(f"WARNING ratio_max_dev {_fmt(dev)} exceeds {RATIO_DEV_WARN_FRACTION:.0%} of clip_range "
+                     f"{_fmt(clip_range)}: the first pass does not reproduce the rollout (model.deterministic)")
     return " | ".join(parts)

@@ -6,11 +6,17 @@ and :meth:`StepProfiler.stop` at its end, and nothing happens for the other step
 
 * CPU / CUDA: ``step00002_rank0.pt.trace.json`` (Chrome trace: chrome://tracing, https://ui.perfetto.dev or
   TensorBoard's profiler plugin) and ``step00002_rank0.txt`` (the ops that took the most time).
-* NPU: ``step00002/`` holding torch_npu's ``*_ascend_pt`` folder (Level1: CPU and NPU activities, AI Core metrics off),
-  parsed by torch_npu when the step ends; open it with MindStudio Insight, or its ``ASCEND_PROFILER_OUTPUT/`` files
-  (``trace_view.json``, ``kernel_details.csv``, ``op_statistic.csv``) directly.
+* NPU: ``step00002/`` holding torch_npu's raw ``*_ascend_pt`` folder (Level1: CPU and NPU activities, AI Core
+  metrics off). It is not parsed during the run: torch_npu's trace handler parses synchronously on the profiling rank
+  by default (``analyse_flag=True``), which on a FLUX.1-dev step takes minutes while the other ranks wait in an HCCL
+  collective and can outlast its timeout. Parse it afterwards, on any machine with torch_npu (no NPU needed)::
 
-Profiling costs time (NPU trace parsing can take minutes), so profile a few steps after the first (warm-up) one.
+      python -c "from torch_npu.profiler.profiler import analyse; analyse(profiler_path='OUTPUT_DIR/profile/step00002')"
+
+  which writes each ``*_ascend_pt/ASCEND_PROFILER_OUTPUT/`` (``trace_view.json``, ``kernel_details.csv``,
+  ``op_statistic.csv``); open those, or the ``*_ascend_pt`` folder itself, with MindStudio Insight.
+
+Profiling costs time, so profile a few steps after the first (warm-up) one.
 """
 
 from __future__ import annotations
@@ -108,7 +114,7 @@ class StepProfiler:
         if self._prof is None:
             return None
         prof, step, self._prof = self._prof, self._step, None
-        prof.stop()  # torch_npu: runs on_trace_ready, which writes and parses the trace
+        prof.stop()  # torch_npu: runs on_trace_ready, which writes the raw trace (parsed offline, see above)
         name = f"step{step:05d}_rank{self.rank}"
         if self.device.type == "npu":
             path = self.dir / f"step{step:05d}"
@@ -136,8 +142,10 @@ class StepProfiler:
             experimental["export_type"] = npu_prof.ExportType.Text
         return npu_prof.profile(
             activities=[npu_prof.ProfilerActivity.CPU, npu_prof.ProfilerActivity.NPU],
+            # analyse_flag=False: write the raw data only; parsing here would hold this rank for minutes while the
+            # others wait in HCCL (module docstring: the offline command).
             on_trace_ready=npu_prof.tensorboard_trace_handler(str(self.dir / f"step{step:05d}"),
-                                                              worker_name=f"rank{self.rank}"),
+                                                              worker_name=f"rank{self.rank}", analyse_flag=False),
             experimental_config=npu_prof._ExperimentalConfig(**experimental),
             **self.options,
         )

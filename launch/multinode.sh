@@ -3,8 +3,10 @@
 #
 #   bash launch/multinode.sh HOSTFILE CONFIG [key=value ...]
 #
-# The launcher ssh-es into every host (passwordless ssh, the same repo path and Python environment on each) and
-# exports ASCEND*/HCCL*/NCCL*/PATH/LD_LIBRARY* to the workers. MASTER_ADDR defaults to the first host of the file.
+# The launcher ssh-es into every host (passwordless ssh, the same repo path and Python environment on each). It passes
+# the workers only the variables with its export prefixes (PYTHON*, MLFLOW*, MV2*, UCX*, and ASCEND*/HCCL*/PATH*/
+# LD_LIBRARY* on NPU, NCCL* on CUDA) and those of a ".deepspeed_env" file, so this script writes the NPU environment
+# into a per-job file (see DS_ENV_FILE below). MASTER_ADDR defaults to the first host of the file.
 # Without ssh (e.g. under a scheduler) run torchrun on each node instead:
 #   NNODES=4 NODE_RANK=$i MASTER_ADDR=head bash launch/multinode.sh --torchrun CONFIG [key=value ...]
 # Exit code: the workers' (0 done or stopped cleanly, 2 bad input, 3 too many skipped updates, 1 anything else).
@@ -27,10 +29,11 @@ if [[ $kind == cpu ]]; then
   export DS_ACCELERATOR=cpu
 else
   # Freed host blocks go back to the OS at once: sharded loading then holds ~1 model copy per node, not ~2 (see
-  # launch/run.sh). The hostfile launcher does not forward it: add MALLOC_MMAP_THRESHOLD_=65536 to ~/.deepspeed_env.
+  # launch/run.sh). The hostfile form forwards it through its .deepspeed_env file (below).
   export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-65536}
 fi
 
+hostfile=""
 if [[ $1 == --torchrun ]]; then
   shift
   config=$1
@@ -54,5 +57,29 @@ else
 fi
 # A bad setting fails here, in one process that loads no model, before every rank pays for its imports.
 python -m tools.check --world-size "$world" "$config" "$@"
+# Hostfile form: the other nodes get only what the launcher passes them (deepspeed/launcher/runner.py): variables
+# with its prefixes, which drops PYTORCH_NPU_ALLOC_CONF, TASK_QUEUE_ENABLE, CPU_AFFINITY_CONF, MALLOC_MMAP_THRESHOLD_
+# and TOOLCHAIN_HOME (and on CPU/CUDA even HCCL*/ASCEND*), plus the KEY=VALUE lines of ".deepspeed_env" in ~ or the
+# current folder, or of the file DS_ENV_FILE names. A per-job file named by DS_ENV_FILE carries this job's values
+# without touching yours: the variables below as this shell has them, then the lines of your own file(s), which win.
+if [[ ${hostfile:-} ]]; then
+  env_file=$(mktemp "${TMPDIR:-/tmp}/grpo_deepspeed_env.XXXXXX")
+  own=${DS_ENV_FILE:-.deepspeed_env}
+  if [[ $own == /* ]]; then own=("$own"); else own=("$HOME/$own" "./$own"); fi
+  {
+    while IFS= read -r var; do
+      case $var in
+        HCCL_*|ASCEND_*|TOOLCHAIN_HOME|PYTORCH_NPU_ALLOC_CONF|PYTORCH_ALLOC_CONF|TASK_QUEUE_ENABLE|CPU_AFFINITY_CONF|\
+        MALLOC_MMAP_THRESHOLD_|DS_ACCELERATOR|OMP_NUM_THREADS)
+          if [[ ${!var} != *$'\n'* ]]; then printf '%s=%s\n' "$var" "${!var}"; fi ;;
+      esac
+    done < <(compgen -e | sort)
+    for file in "${own[@]}"; do
+      if [[ -f $file ]]; then sed -e '/^[[:space:]]*$/d' -e '$a\' "$file"; fi
+    done
+  } > "$env_file"
+  export DS_ENV_FILE=$env_file
+  echo "[launch] environment for every node: $env_file" >&2
+fi
 echo "[launch] ${cmd[*]}" >&2
 exec "${cmd[@]}"

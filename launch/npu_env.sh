@@ -11,17 +11,24 @@
 # mm_dance_grpo/run_verl_dance.sh.
 
 # CANN: torch_npu cannot load libhccl.so / libascendcl.so without the toolkit's environment
-# (ImportError "... Please run 'source set_env.sh' in the CANN installation path").
+# (ImportError "... Please run 'source set_env.sh' in the CANN installation path"). Looked for, first found wins:
+# $ASCEND_TOOLKIT_HOME and $ASCEND_HOME_PATH (each itself or its parent: they may point at .../ascend-toolkit/latest,
+# whose set_env.sh sits one level up on CANN < 8.5), then under the install root (GRPO_ASCEND_ROOT, default
+# /usr/local/Ascend): ascend-toolkit/latest, ascend-toolkit, cann (CANN >= 8.5's link, as MindSpeed-MM's scripts use)
+# and the newest cann-X.Y.Z folder (CANN >= 8.5 installs side by side, e.g. cann-8.5.0 and cann-9.1.0).
+_grpo_ascend_root=${GRPO_ASCEND_ROOT:-/usr/local/Ascend}
 _grpo_cann_env=""
-if [[ -n "${ASCEND_TOOLKIT_HOME:-}" && -f "${ASCEND_TOOLKIT_HOME}/set_env.sh" ]]; then
-  _grpo_cann_env="${ASCEND_TOOLKIT_HOME}/set_env.sh"
-elif [[ -n "${ASCEND_TOOLKIT_HOME:-}" && -f "${ASCEND_TOOLKIT_HOME}/../set_env.sh" ]]; then
-  _grpo_cann_env="${ASCEND_TOOLKIT_HOME}/../set_env.sh"   # ASCEND_TOOLKIT_HOME may point at .../ascend-toolkit/latest
-elif [[ -f /usr/local/Ascend/ascend-toolkit/set_env.sh ]]; then
-  _grpo_cann_env=/usr/local/Ascend/ascend-toolkit/set_env.sh
-elif [[ -f /usr/local/Ascend/cann/set_env.sh ]]; then
-  _grpo_cann_env=/usr/local/Ascend/cann/set_env.sh      # CANN >= 8.5 layout used by MindSpeed-MM's scripts
-fi
+for _grpo_dir in "${ASCEND_TOOLKIT_HOME:-}" "${ASCEND_HOME_PATH:-}" "$_grpo_ascend_root/ascend-toolkit/latest" \
+                 "$_grpo_ascend_root/ascend-toolkit" "$_grpo_ascend_root/cann" \
+                 "$(ls -d "$_grpo_ascend_root"/cann-* 2>/dev/null | sort -V | tail -n 1)"; do
+  [[ -n "$_grpo_dir" ]] || continue
+  if [[ -f "$_grpo_dir/set_env.sh" ]]; then
+    _grpo_cann_env="$_grpo_dir/set_env.sh"
+  elif [[ -f "$_grpo_dir/../set_env.sh" ]]; then
+    _grpo_cann_env="$_grpo_dir/../set_env.sh"
+  fi
+  [[ -z "$_grpo_cann_env" ]] || break
+done
 if [[ -n "$_grpo_cann_env" ]]; then
   # CANN's script reads unset variables (e.g. LD_LIBRARY_PATH) and may return non-zero: relax -u/-e while it runs.
   # ($- rather than $(set +o): bash clears errexit inside command substitutions, so that would lose `set -e`.)
@@ -33,9 +40,9 @@ if [[ -n "$_grpo_cann_env" ]]; then
   if [[ $_grpo_opts == *u* ]]; then set -u; fi
   unset _grpo_opts
 else
-  echo "[npu_env] CANN set_env.sh not found (set ASCEND_TOOLKIT_HOME); torch_npu will fail to import" >&2
+  echo "[npu_env] CANN set_env.sh not found (set ASCEND_HOME_PATH or GRPO_ASCEND_ROOT); torch_npu will not import" >&2
 fi
-unset _grpo_cann_env
+unset _grpo_cann_env _grpo_dir _grpo_ascend_root
 
 # Seconds HCCL waits to set up links between ranks (default 120). Model loading on rank 0 and JIT op compilation
 # skew the ranks' arrival at the first collective by minutes on big models; MindSpeed-MM and verl use 1200.
@@ -48,9 +55,17 @@ export HCCL_CONNECT_TIMEOUT
 export HCCL_BUFFSIZE
 
 # Caching allocator with virtual-memory segments: less fragmentation from the changing shapes of rollout (no grad)
-# and training (grad) steps. Do not also set PYTORCH_ALLOC_CONF (setting both is an error on torch_npu >= 26.2.0).
-: "${PYTORCH_NPU_ALLOC_CONF:=expandable_segments:True}"
-export PYTORCH_NPU_ALLOC_CONF
+# and training (grad) steps. Exactly one allocator variable is exported: setting both PYTORCH_NPU_ALLOC_CONF and
+# PYTORCH_ALLOC_CONF is an error on newer torch_npu. The one you exported wins; if you exported both, PYTORCH_ALLOC_CONF
+# is dropped. By default PYTORCH_NPU_ALLOC_CONF, the variable torch_npu documents
+# (torch_npu docs/zh/api/environment_variable/PYTORCH_NPU_ALLOC_CONF.md) and that torch_npu 2.12 reads.
+if [[ -n "${PYTORCH_NPU_ALLOC_CONF:-}" && -n "${PYTORCH_ALLOC_CONF:-}" ]]; then
+  echo "[npu_env] both PYTORCH_NPU_ALLOC_CONF and PYTORCH_ALLOC_CONF are set; unsetting PYTORCH_ALLOC_CONF" >&2
+  unset PYTORCH_ALLOC_CONF
+elif [[ -z "${PYTORCH_ALLOC_CONF:-}" ]]; then
+  : "${PYTORCH_NPU_ALLOC_CONF:=expandable_segments:True}"
+  export PYTORCH_NPU_ALLOC_CONF
+fi
 
 # Operator dispatch pipeline of torch_npu: 0 off, 1 two-stage queue, 2 also balances work across host threads
 # (fewer host-side stalls between small kernels). MindSpeed-MM's FLUX DanceGRPO script uses 2.
@@ -62,14 +77,15 @@ export TASK_QUEUE_ENABLE
 : "${CPU_AFFINITY_CONF:=1}"
 export CPU_AFFINITY_CONF
 
-# Which chips this job may use (the NPU's CUDA_VISIBLE_DEVICES; logical chip ids). Left alone when set (a scheduler
-# or the user chose). Otherwise the "Chip Logic ID"s of every Ascend chip `npu-smi info -m` lists (an A3 NPU holds two
-# chips, so NPU ids are not chip ids); without npu-smi it stays unset, which the runtime reads as "all chips".
-if [[ -z "${ASCEND_RT_VISIBLE_DEVICES:-}" ]] && command -v npu-smi >/dev/null 2>&1; then
-  _grpo_npus=$(npu-smi info -m 2>/dev/null \
-    | awk '$3 ~ /^[0-9]+$/ && $4 == "Ascend" {ids = ids (ids != "" ? "," : "") $3} END {print ids}') || true
-  if [[ -n "$_grpo_npus" ]]; then
-    export ASCEND_RT_VISIBLE_DEVICES="$_grpo_npus"
-  fi
-  unset _grpo_npus
+# Alignment runs (tools.align, comparing NPU with CPU/GPU or 1 with N processes): GRPO_ALIGNMENT_RUN=1 also makes
+# HCCL reduce in a fixed order (HCCL_DETERMINISTIC=true), so that gradients and all-reduced metrics repeat bit for bit.
+# Off otherwise: it slows all-reduce/reduce-scatter, and the first-pass ratio does not need it (model.deterministic
+# covers the kernels; ZeRO-3's all-gathers move weights without arithmetic). An HCCL_DETERMINISTIC you set is kept.
+if [[ "${GRPO_ALIGNMENT_RUN:-0}" == 1 ]]; then
+  : "${HCCL_DETERMINISTIC:=true}"
+  export HCCL_DETERMINISTIC
 fi
+
+# Which chips this job may use (ASCEND_RT_VISIBLE_DEVICES, the NPU's CUDA_VISIBLE_DEVICES) is left to the runtime
+# (every chip of the container) or to you / the scheduler: set it before sourcing. It is not derived from
+# `npu-smi`, whose ids are host ids inside a container that sees a subset of the chips, which made `set_device` fail.

@@ -136,6 +136,7 @@ class FluxGRPORecipe:
         """Loads and wraps the models; output_dir is written only once they are built, so a setting that fails on
         the model (e.g. lora.target_modules) leaves it as it was."""
         cfg = self.cfg
+        dev.set_deterministic(cfg.model.deterministic)  # before any kernel of the models runs
         if self.rank == 0:
             self._log_layout()
         self._setup_data()
@@ -229,7 +230,7 @@ class FluxGRPORecipe:
                 self.metrics.log(step, stats)
                 self.profiler.stop()
                 if self.rank == 0:
-                    log.info(health.health_line(step, stats))
+                    log.info(health.health_line(step, stats, cfg.grpo.clip_range))
                 if cfg.logging.sample_every and step % cfg.logging.sample_every == 0 and self.rank == 0:
                     save_grid(result.images, self.out / "samples" / f"step_{step:05d}.png", cfg.sampling.group_size)
                 if self._after_step(step + 1, stop, too_many_skips):

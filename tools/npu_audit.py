@@ -135,12 +135,8 @@ NPU_OP_RULES: tuple[OpRule, ...] = (
         "huggingface/diffusers #10428, fixed by PR #10123 / #10820",
         _any_dtype(torch.float64),
     ),
-    OpRule(
-        frozenset({"aten.isin"}),
-        "slow-op",
-        "no NPU kernel: torch_npu falls back to the CPU (copy to host, compute, copy back)",
-        "Ascend/pytorch #40; hiyouga/LlamaFactory #4836 (torch_npu 2.1, CANN 8.0.RC1, 910B)",
-    ),
+    # Not aten.isin: it fell back to the CPU on torch_npu 2.1 (Ascend/pytorch #40, hiyouga/LlamaFactory #4836), but
+    # the torch_npu 2.12 that requirements-npu.txt installs registers an NPU kernel for it: flagging it was wrong.
     OpRule(
         frozenset({"torchvision.nms"}),
         "slow-op",

@@ -151,6 +151,10 @@ def test_tiny_recipe_runs(kind: str, tmp_path: Path):
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward_mean"] for r in rows if "reward_mean" in r]
     assert len(rewards) == 2 and all(0.0 <= r <= 1.0 for r in rewards)
+    # model.deterministic (on in every preset): the first pass reproduces the rollout's log-probs, so the ratio is 1
+    # far inside any clip_range (the health line warns above 10% of it).
+    devs = [r["ratio_max_dev"] for r in rows if "ratio_max_dev" in r]
+    assert len(devs) == 2 and max(devs) <= 1e-5, devs
 
 
 def _align(args: list[str], tmp_path: Path, timeout: float = 1800) -> str:

@@ -70,8 +70,8 @@ class _FakeNpuProfiler:
     def _ExperimentalConfig(self, **kwargs):  # noqa: N802 -- torch_npu's name
         return ("experimental", kwargs)
 
-    def tensorboard_trace_handler(self, dir_name, worker_name=None):
-        return ("handler", dir_name, worker_name)
+    def tensorboard_trace_handler(self, dir_name=None, worker_name=None, analyse_flag=True, async_mode=False):
+        return ("handler", dir_name, worker_name, analyse_flag, async_mode)
 
     def profile(self, **kwargs):
         calls = self.calls
@@ -97,7 +97,8 @@ def test_npu_ranks_use_torch_npu_profiler(tmp_path: Path, monkeypatch):
     (start, kwargs), (stop,) = fake.calls
     assert start == "start" and stop == "stop"
     assert kwargs["activities"] == ["CPU", "NPU"] and kwargs["record_shapes"] is True
-    assert kwargs["on_trace_ready"] == ("handler", str(tmp_path / "prof" / "step00002"), "rank3")
+    # raw data only: no synchronous parsing on this rank while the others wait in HCCL (analysed offline)
+    assert kwargs["on_trace_ready"] == ("handler", str(tmp_path / "prof" / "step00002"), "rank3", False, False)
     assert kwargs["experimental_config"] == (
         "experimental", {"profiler_level": "Level1", "aic_metrics": "AiCoreNone", "export_type": "Text"})
     assert not list((tmp_path / "prof").glob("*.json"))  # no torch.profiler export on NPU

@@ -171,3 +171,13 @@ def test_resume_auto_with_every_checkpoint_damaged_stops_instead_of_restarting(t
         with pytest.raises(ckpt.ConfigError, match="only damaged ones .*checkpoint.resume=null"):
             ckpt.resume_point(cfg, 2)
     assert [p.name.startswith(".invalid-step_00000002") for p in (tmp_path / "checkpoints").iterdir()] == [True]
+
+
+def test_health_line_warns_when_the_ratio_drifts_from_one():
+    stats = {"reward_mean": 0.5, "loss": 0.1, "ratio_max_dev": 2e-5, "clip_frac": 0.0, "step_time_s": 1.0}
+    quiet = health.health_line(1, stats, clip_range=1e-3)
+    assert "WARNING" not in quiet and quiet == health.health_line(1, stats)  # the line is unchanged below the bound
+    line = health.health_line(1, stats, clip_range=1e-4)
+    assert line.startswith(quiet + " | ") and "\n" not in line
+    assert "WARNING ratio_max_dev 2.00e-05 exceeds 10% of clip_range 1.00e-04" in line
+    assert "WARNING" not in health.health_line(1, {**stats, "ratio_max_dev": None}, clip_range=1e-4)

@@ -317,3 +317,10 @@ def _lookup(d: dict, dotted: str):
     for part in dotted.split("."):
         d = d[part]
     return d
+
+
+def test_every_preset_asks_for_deterministic_kernels():
+    presets = sorted((ROOT / "recipes" / "configs").glob("*/*.yaml"))
+    for preset in presets:
+        assert load_config(preset).model.deterministic is True, preset
+    assert load_config(presets[0], ["model.deterministic=false"]).model.deterministic is False

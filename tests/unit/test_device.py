@@ -280,25 +280,34 @@ NPU_SMI_M = """\
 """
 
 
-def _source_npu_env(tmp_path: Path, exports: str = "", with_npu_smi: bool = True) -> dict[str, str]:
-    """Sources launch/npu_env.sh under `set -euo pipefail` with a fake CANN toolkit and a fake npu-smi."""
-    toolkit = tmp_path / "ascend-toolkit"
-    toolkit.mkdir(exist_ok=True)
+def _fake_cann(folder: Path, marker: str = "1") -> Path:
+    """A CANN install folder whose set_env.sh exports FAKE_CANN_SOURCED=marker."""
+    folder.mkdir(parents=True, exist_ok=True)
     # Like CANN's real script it reads unset variables and ends non-zero; sourcing must survive both.
-    (toolkit / "set_env.sh").write_text('export FAKE_CANN_SOURCED=1\nexport LD_LIBRARY_PATH="x:$LD_LIBRARY_PATH"\n'
-                                        "false\n")
+    (folder / "set_env.sh").write_text(f"export FAKE_CANN_SOURCED={marker}\n"
+                                       'export LD_LIBRARY_PATH="x:$LD_LIBRARY_PATH"\nfalse\n')
+    return folder
+
+
+def _source_npu_env(tmp_path: Path, exports: str | None = None, with_npu_smi: bool = True) -> dict[str, str]:
+    """Sources launch/npu_env.sh under `set -euo pipefail` with a fake npu-smi on PATH and GRPO_ASCEND_ROOT (the
+    install root) at tmp_path/Ascend. By default a fake CANN toolkit is named by ASCEND_TOOLKIT_HOME; `exports`
+    replaces that line."""
+    if exports is None:
+        exports = f"export ASCEND_TOOLKIT_HOME={_fake_cann(tmp_path / 'ascend-toolkit')}"
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     if with_npu_smi:
         (bin_dir / "npu-smi").write_text(f"#!/bin/sh\ncat <<'TABLE'\n{NPU_SMI_M}TABLE\n")
         (bin_dir / "npu-smi").chmod(0o755)
-    script = (f"set -euo pipefail\nunset LD_LIBRARY_PATH\nexport ASCEND_TOOLKIT_HOME={toolkit}\n{exports}\n"
+    script = (f"set -euo pipefail\nunset LD_LIBRARY_PATH\n{exports}\n"
               f"source {REPO / 'launch' / 'npu_env.sh'}\n"
               'echo "OPTS=$-"\nset -o | grep -E "^pipefail" | tr -s " \\t" "=" | sed "s/^/PIPE/"\nenv\n')
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "GRPO_ASCEND_ROOT": str(tmp_path / "Ascend")}
     proc = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     out = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+    out["STDERR"] = proc.stderr
     return out
 
 
@@ -310,18 +319,56 @@ def test_npu_env_defaults_and_cann(tmp_path: Path):
     assert out["HCCL_CONNECT_TIMEOUT"] == "1200"
     assert out["HCCL_BUFFSIZE"] == "800"
     assert out["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
+    assert "PYTORCH_ALLOC_CONF" not in out
     assert out["TASK_QUEUE_ENABLE"] == "2"
     assert out["CPU_AFFINITY_CONF"] == "1"
-    assert out["ASCEND_RT_VISIBLE_DEVICES"] == "0,1"  # logic ids of the Ascend chips, Mcu rows skipped
+    # npu-smi is there, but its ids may be host ids in a container: device visibility is the runtime's.
+    assert "ASCEND_RT_VISIBLE_DEVICES" not in out
 
 
 def test_npu_env_keeps_user_values(tmp_path: Path):
-    out = _source_npu_env(tmp_path, "export HCCL_BUFFSIZE=123 TASK_QUEUE_ENABLE=0 ASCEND_RT_VISIBLE_DEVICES=4,5")
+    toolkit = _fake_cann(tmp_path / "ascend-toolkit")
+    out = _source_npu_env(tmp_path, f"export ASCEND_TOOLKIT_HOME={toolkit} HCCL_BUFFSIZE=123 TASK_QUEUE_ENABLE=0 "
+                                    "ASCEND_RT_VISIBLE_DEVICES=4,5")
     assert (out["HCCL_BUFFSIZE"], out["TASK_QUEUE_ENABLE"], out["ASCEND_RT_VISIBLE_DEVICES"]) == ("123", "0", "4,5")
     bare = tmp_path / "no_npu_smi"
     bare.mkdir()
     out = _source_npu_env(bare, with_npu_smi=False)
-    assert "ASCEND_RT_VISIBLE_DEVICES" not in out  # no npu-smi: left unset, the runtime then sees every chip
+    assert "ASCEND_RT_VISIBLE_DEVICES" not in out
+
+
+@pytest.mark.parametrize("layout", ["home_path", "home_path_latest", "toolkit_latest", "newest_cann", "none"])
+def test_npu_env_finds_cann(tmp_path: Path, layout: str):
+    root = tmp_path / "Ascend"
+    exports = ""
+    if layout == "home_path":  # ASCEND_HOME_PATH names the folder holding set_env.sh
+        exports = f"export ASCEND_HOME_PATH={_fake_cann(tmp_path / 'custom' / 'cann-9.1.0', 'home')}"
+    elif layout == "home_path_latest":  # ...or .../ascend-toolkit/latest, whose set_env.sh is one level up
+        _fake_cann(tmp_path / "custom" / "ascend-toolkit", "home")
+        (tmp_path / "custom" / "ascend-toolkit" / "latest").mkdir()
+        exports = f"export ASCEND_HOME_PATH={tmp_path / 'custom' / 'ascend-toolkit' / 'latest'}"
+    elif layout == "toolkit_latest":
+        _fake_cann(root / "ascend-toolkit" / "latest", "toolkit")
+    elif layout == "newest_cann":  # CANN >= 8.5 installs side by side; version order, not string order
+        for version in ("8.5.0", "9.1.0", "10.0.0"):
+            _fake_cann(root / f"cann-{version}", version)
+    out = _source_npu_env(tmp_path, exports)
+    expected = {"home_path": "home", "home_path_latest": "home", "toolkit_latest": "toolkit",
+                "newest_cann": "10.0.0", "none": None}[layout]
+    assert out.get("FAKE_CANN_SOURCED") == expected
+    assert ("CANN set_env.sh not found" in out["STDERR"]) is (expected is None)
+
+
+@pytest.mark.parametrize(("user", "expected"), [
+    ("", {"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True"}),
+    ("export PYTORCH_ALLOC_CONF=expandable_segments:False", {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}),
+    ("export PYTORCH_NPU_ALLOC_CONF=a:1", {"PYTORCH_NPU_ALLOC_CONF": "a:1"}),
+    ("export PYTORCH_NPU_ALLOC_CONF=a:1 PYTORCH_ALLOC_CONF=b:2", {"PYTORCH_NPU_ALLOC_CONF": "a:1"}),
+])
+def test_npu_env_exports_one_allocator_variable(tmp_path: Path, user: str, expected: dict):
+    toolkit = _fake_cann(tmp_path / "ascend-toolkit")
+    out = _source_npu_env(tmp_path, f"export ASCEND_TOOLKIT_HOME={toolkit}\n{user}")
+    assert {k: v for k, v in out.items() if k in ("PYTORCH_NPU_ALLOC_CONF", "PYTORCH_ALLOC_CONF")} == expected
 
 
 def _requirements(path: Path) -> dict[str, str]:
@@ -341,10 +388,47 @@ def _requirements(path: Path) -> dict[str, str]:
 def test_requirements_npu_pairs_torch_and_mirrors_the_rest():
     main, npu = _requirements(REPO / "requirements.txt"), _requirements(REPO / "requirements-npu.txt")
     torch_pin = npu["torch"].removeprefix("==")
-    assert npu["torch-npu"].removeprefix("==").split(".post")[0] == torch_pin  # torch_npu X.Y.Z[.postN] <-> torch X.Y.Z
+    from packaging.specifiers import SpecifierSet
+
+    # torch_npu X.Y.Z and its X.Y.Z.postN fix releases pair with torch X.Y.Z; nothing else does
+    npu_pin = SpecifierSet(npu["torch-npu"])
+    assert all(v in npu_pin for v in (torch_pin, f"{torch_pin}.post1", f"{torch_pin}.post12"))
+    major, minor, patch = (int(p) for p in torch_pin.split("."))
+    assert not any(v in npu_pin for v in (f"{major}.{minor}.{patch + 1}", f"{major}.{minor + 1}.0", f"{torch_pin}rc1"))
     assert "torchvision" in npu
     device_specific = {"torch", "torchvision", "torch-npu"}
     assert {k: v for k, v in main.items() if k not in device_specific} == {
         k: v for k, v in npu.items() if k not in device_specific
     }
     assert "torch-npu" not in main
+
+
+def test_npu_env_hccl_determinism_only_for_alignment_runs(tmp_path: Path):
+    toolkit = f"export ASCEND_TOOLKIT_HOME={_fake_cann(tmp_path / 'ascend-toolkit')}"
+    assert "HCCL_DETERMINISTIC" not in _source_npu_env(tmp_path, toolkit)
+    assert _source_npu_env(tmp_path, f"{toolkit}\nexport GRPO_ALIGNMENT_RUN=1")["HCCL_DETERMINISTIC"] == "true"
+    out = _source_npu_env(tmp_path, f"{toolkit}\nexport GRPO_ALIGNMENT_RUN=1 HCCL_DETERMINISTIC=false")
+    assert out["HCCL_DETERMINISTIC"] == "false"
+
+
+class _NamedAccelerator:
+    def __init__(self, name: str):
+        self.name = name
+
+    def device_name(self, index=None):
+        return self.name
+
+
+@pytest.mark.parametrize("kind", ["npu", "cuda", "cpu"])
+def test_set_deterministic_on_accelerators_only(monkeypatch, kind: str):
+    monkeypatch.setattr(device, "accelerator", lambda: _NamedAccelerator(kind))
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    calls = []
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    assert device.set_deterministic(False) is False and not calls
+    assert device.set_deterministic(True) is (kind != "cpu")
+    assert calls == ([] if kind == "cpu" else [((True,), {"warn_only": True})])  # CPU numbers stay as they were
+    assert (os.environ.get("CUBLAS_WORKSPACE_CONFIG") == ":4096:8") is (kind == "cuda")
+    assert torch.backends.cudnn.deterministic is (kind == "cuda")

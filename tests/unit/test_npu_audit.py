@@ -83,6 +83,20 @@ def test_complex_op_is_caught_and_named():
     assert "vllm-project/vllm-omni #4911" in auditor.format_table()
 
 
+class TokenMask(torch.nn.Module):
+    def forward(self, ids):
+        return torch.isin(ids, torch.tensor([0, 3]))
+
+
+def test_isin_is_not_a_cpu_fallback_on_torch_npu_2_12():
+    """torch_npu 2.12 (requirements-npu.txt) has an NPU kernel for aten.isin; only torch_npu 2.1 fell back."""
+    auditor = Auditor()
+    auditor.watch(model := TokenMask(), "mask")
+    with auditor, auditor.phase("train"):
+        model(torch.arange(6))
+    assert auditor.ok, auditor.format_table()
+
+
 def test_clean_model_is_clean_and_hooks_are_removed():
     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
     globals_before = len(torch.nn.modules.module._global_forward_pre_hooks)
