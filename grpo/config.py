@@ -85,7 +85,8 @@ class WindowConfig:
 class SamplingConfig:
     resolution: int = setting(help="image side in pixels, a multiple of 16")
     num_steps: int = setting(help="denoising steps per rollout")
-    eta: float = setting(help="SDE noise of the rollouts, > 0; eval always uses 0 (deterministic ODE)")
+    eta: float = setting(help="SDE noise of the rollouts: > 0 for grpo; 0 (ODE rollouts) or more for nft/awm; eval "
+                              "always uses 0 (deterministic ODE)")
     sde: str = setting(choices=("dance", "flow", "cps"),
                        help="dance: g = eta (DanceGRPO); flow: g = eta*sqrt(sigma/(1-sigma)) (Flow-GRPO); cps: "
                             "coefficients-preserving sampling, eta = noise level in (0, 1] (Flow-GRPO's CPS)")
