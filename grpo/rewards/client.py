@@ -43,12 +43,14 @@ class ServiceError(RuntimeError):
 
 
 def answer_error(response: requests.Response) -> str:
-    """The server's one-line error: the `error` of a JSON body (the reward server's), else the body's first line."""
+    """The server's one-line error: a JSON body's `error` (the reward server's) or `error.message` (OpenAI's), else
+    the body's first line."""
     try:
         body = response.json()
-        text = str(body.get("error") or body.get("message") or body) if isinstance(body, dict) else str(body)
     except ValueError:
-        text = response.text
+        body = response.text
+    error = body.get("error", body) if isinstance(body, dict) else body
+    text = str(error.get("message", error) if isinstance(error, dict) else error)
     lines = text.strip().splitlines()
     return f"HTTP {response.status_code}" + (f": {lines[0][:300]}" if lines else "")
 

@@ -42,6 +42,7 @@ REGISTRY: dict[str, str] = {
     "jpeg_compressibility": "grpo.rewards.programmatic:JpegCompressibility",
     "jpeg_incompressibility": "grpo.rewards.programmatic:JpegIncompressibility",
     "remote": "grpo.rewards.remote:RemoteReward",
+    "vlm_judge": "grpo.rewards.vlm_judge:VLMJudgeReward",
 }
 
 
