@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,10 @@ def hpsv2_open_clip(tmp_path_factory):
     copy = tmp_path_factory.mktemp("hpsv2") / "hpsv2_open_clip"
     shutil.copytree(Path(found.submodule_search_locations[0]) / "src" / "open_clip", copy)
     shutil.copy(open_clip.tokenizer.default_bpe(), copy / "bpe_simple_vocab_16e6.txt.gz")
+    try:  # its factory.py has a stray, unused `from turtle import forward`; turtle needs tkinter
+        import turtle  # noqa: F401
+    except ImportError:
+        sys.modules["turtle"] = types.SimpleNamespace(forward=None)  # a Python built without tk
     spec = importlib.util.spec_from_file_location("hpsv2_open_clip", copy / "__init__.py",
                                                   submodule_search_locations=[str(copy)])
     module = importlib.util.module_from_spec(spec)

@@ -257,7 +257,7 @@ def test_hps_equals_the_hpsv2_package(tiny_reward_spec, hpsv2_open_clip) -> None
 
     rewards = build_rewards({"hpsv2": spec, "hpsv2@float": {**spec, "quantize": False}}, "cpu")
     for h, w, seed in ((64, 96, 1), (97, 64, 2)):  # landscape and portrait: padded on either axis
-        x, prompts = images(len(PROMPTS), h, w, seed=seed), list(PROMPTS)
+        x, prompts = images(3, h, w, seed=seed), list(PROMPTS[:3])  # one forward per image upstream: keep it short
         expected = torch.stack([hpsv2_score(preprocess_val(p), t) for p, t in zip(_pil(x), prompts)])
         unquantized = torch.stack([hpsv2_score(after_to_tensor(i), t) for i, t in zip(x, prompts)])
         ours = rewards(x, prompts)

@@ -34,6 +34,16 @@ def broken():
     return score
 
 
+def sleepy(seconds: float):
+    """A reward slower than the client's timeout."""
+
+    def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        time.sleep(seconds)
+        return torch.zeros(len(prompts))
+
+    return score
+
+
 @contextmanager
 def serving(spec: dict, wait_s: float = 0.0):
     import uvicorn
@@ -119,7 +129,8 @@ def test_start_up_checks_reach_the_server(server) -> None:
 
 
 def test_a_server_that_is_down(tmp_path, capsys) -> None:
-    """tools.check (run before torchrun) exits 2 with one line; scoring after the server went away fails clearly."""
+    """tools.check (run before torchrun) exits 2 with one line; scoring after the server went away, or slower than
+    the timeout, fails clearly after the retries."""
     from tools.check import main
 
     url = f"http://127.0.0.1:{free_port()}"
@@ -135,6 +146,12 @@ def test_a_server_that_is_down(tmp_path, capsys) -> None:
     with pytest.raises(ServiceError, match=rf"^rewards\.remote: {up}/score/jpeg_compressibility failed after 2 "
                                            r"attempts: ConnectionError$"):
         remote(images(2, 8, 8), ["a", "b"])
+    slow = "tests.unit.test_rewards_remote:sleepy"
+    with serving({slow: {"seconds": 0.3}}) as (up, _):
+        remote = build_rewards(_remote(up, slow, timeout=0.05), "cpu")
+        with pytest.raises(ServiceError, match=r"^rewards\.remote: .* failed after 2 attempts: no answer within "
+                                               r"timeout 0\.05 s$"):
+            remote(images(2, 8, 8), ["a", "b"])
 
 
 def test_serve_cli_refuses_bad_input_before_loading(tmp_path, capsys) -> None:
