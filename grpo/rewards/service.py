@@ -92,12 +92,12 @@ class Batcher:
             if first is None:
                 return
             jobs, stop = self._collect(first)
+            self.batches += 1  # before scoring: a request's answer may be read before this thread goes on
             groups: dict[tuple, list[_Job]] = defaultdict(list)
             for job in jobs:
                 groups[(job.name, tuple(job.images.shape[1:]))].append(job)
             for (name, _), group in groups.items():
                 self._score(name, group)
-            self.batches += 1
 
     def _score(self, name: str, jobs: list[_Job]) -> None:
         try:
@@ -105,7 +105,7 @@ class Batcher:
             prompts = [p for j in jobs for p in j.prompts]
             scores = self.rewards[name](images, prompts).float().cpu()
         except Exception as err:  # a reward's failure goes back to the requests that asked for it
-            logger.error("scoring %d images with %s failed: %s", len(jobs), name, first_line(err))
+            logger.error("scoring %d requests with %s failed: %s", len(jobs), name, first_line(err))
             for j in jobs:
                 j.future.set_exception(err)
             return

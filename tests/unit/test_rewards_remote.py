@@ -45,12 +45,12 @@ def sleepy(seconds: float):
 
 
 @contextmanager
-def serving(spec: dict, wait_s: float = 0.0):
+def serving(spec: dict, wait_s: float = 0.0, max_images: int = 64):
     import uvicorn
 
     from grpo.rewards.service import Batcher, make_app
 
-    batcher = Batcher(build_rewards(spec, "cpu"), max_images=64, wait_s=wait_s)
+    batcher = Batcher(build_rewards(spec, "cpu"), max_images=max_images, wait_s=wait_s)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(make_app(batcher), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -67,7 +67,7 @@ def serving(spec: dict, wait_s: float = 0.0):
 
 @pytest.fixture(scope="module")
 def server():
-    with serving(SERVED, wait_s=0.3) as served:
+    with serving(SERVED) as served:
         yield served
 
 
@@ -76,21 +76,24 @@ def _remote(url: str, reward: str, **options) -> dict:
 
 
 def test_remote_scores_equal_in_process_and_concurrent_requests_are_batched(server) -> None:
-    url, batcher = server
+    url, _ = server
     x, prompts = images(len(PROMPTS), 40, 56, seed=3), list(PROMPTS)
     local = build_rewards({k: SERVED[k] for k in ("jpeg_compressibility", "jpeg_incompressibility")}, "cpu")
     remote = build_rewards({**_remote(url, "jpeg_compressibility", batch_size=4),
                             "remote@q50": _remote(url, "jpeg_incompressibility")["remote"]}, "cpu")
     assert torch.equal(remote(x, prompts), local(x, prompts))  # jpeg encodes uint8 levels: the same input
-    # Two ranks asking at once (within wait_s) are scored as one batch.
-    before, out = batcher.batches, {}
-    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, remote["remote"](x[i::2], prompts[i::2])))
-               for i in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert batcher.batches == before + 1
+    # Two ranks asking at once are scored as one batch: the first request waits (up to 10 s) until max_images.
+    with serving({"jpeg_compressibility": 1.0}, wait_s=10.0, max_images=len(x)) as (batching, batcher):
+        remote = build_rewards(_remote(batching, "jpeg_compressibility"), "cpu")["remote"]
+        out: dict[int, torch.Tensor] = {}
+        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, remote(x[i::2], prompts[i::2])))
+                   for i in (0, 1)]
+        start = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert batcher.batches == 1 and time.monotonic() - start < 10
     for i in (0, 1):
         assert torch.equal(out[i], local["jpeg_compressibility"](x[i::2], prompts[i::2]))
 
