@@ -9,17 +9,18 @@ import sys
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from tests import ROOT
 from tools import torchrun as tr
 from tools.launch import free_port, launch_env
 
 WORKER = """
 import os, signal, sys, time
+from grpo.errors import rank_exit
 rank, mode = int(os.environ["RANK"]), sys.argv[1]
 if mode == "exit":
-    if rank == 0:
-        print("error: x: bad", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(rank_exit("error: x: bad", 2))  # what the recipe does on a bad input every rank finds
 got = []
 signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
 os.write(1, b"ready\\n")  # one write: the two workers share the pipe
@@ -32,10 +33,10 @@ print(f"rank {rank} saved", file=sys.stderr, flush=True)
 """
 
 
-def _start(tmp_path, mode, env=None):
+def _start(tmp_path, mode, env=None, launcher="tools.torchrun"):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    cmd = [sys.executable, "-m", "tools.torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
+    cmd = [sys.executable, "-m", launcher, "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(script), mode]
     return subprocess.Popen(cmd, cwd=ROOT, env=launch_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
@@ -70,6 +71,40 @@ def test_worker_exit_2_is_the_launchers_with_one_line(tmp_path):
     assert proc.returncode == 2, err
     assert err.strip().splitlines()[-1] == "error: x: bad" and err.count("error:") == 1
     assert "Traceback" not in err and "ChildFailedError" not in err
+
+
+def test_rank_exit_names_the_line_as_a_plain_torchruns_root_cause(tmp_path, monkeypatch, capsys):
+    """Rank 0 prints the line once and leaves it in torchelastic's error file, which torchrun's ChildFailedError
+    report shows as the root cause; another rank prints and writes nothing."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from grpo.errors import rank_exit
+
+    files = {rank: tmp_path / f"error{rank}.json" for rank in (0, 1)}
+    for rank, path in files.items():
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+        assert rank_exit("error: optim.lr: must be > 0, got 0.0; e.g. 3e-4", 2) == 2
+    assert capsys.readouterr().err == "error: optim.lr: must be > 0, got 0.0; e.g. 3e-4\n"
+    assert not files[1].exists()
+    failures = {r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=2, error_file=str(files[r])) for r in files}
+    root_rank, root = ChildFailedError("recipe", failures).get_first_failure()
+    assert root_rank == 0
+    report = ChildFailedError("recipe", failures).format_msg()
+    assert "traceback : error: optim.lr: must be > 0, got 0.0; e.g. 3e-4 (exit 2: bad input;" in report
+    assert report.count("optim.lr") == 1
+
+
+@pytest.mark.slow
+def test_plain_torchrun_exits_1_with_the_line_once_and_as_root_cause(tmp_path):
+    """What a user's direct torchrun does with a rank's exit 2 (why the launchers use tools.torchrun): exit 1 and
+    torchrun's traceback, but the error line is printed once and its report's root cause is that line."""
+    proc = _start(tmp_path, "exit", launcher="torch.distributed.run")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == ["error: x: bad"]
+    root = err.split("Root Cause (first observed failure):")[1]
+    assert "exitcode  : 2" in root and "traceback : error: x: bad (exit 2: bad input;" in root
 
 
 def test_sigterm_reaches_the_workers_and_is_waited_for(tmp_path):
