@@ -44,7 +44,8 @@ Launch:
     bash launch/multinode.sh HOSTFILE CONFIG [key=value ...]
     ... checkpoint.resume=auto                     # after a preemption or crash: continue from the last checkpoint
 Exit codes: 0 done (or stopped by SIGTERM/SIGINT after saving), 2 bad input (one line on stderr, nothing written),
-3 too many skipped updates in a row (a checkpoint was saved), 1 anything else (e.g. a dead rank).
+3 too many skipped updates in a row (a checkpoint was saved), 1 anything else (e.g. a dead rank). A plain torchrun
+reports 2 and 3 as 1 (rank 0's line is its report's root cause); launch/*.sh and python -m tools.torchrun keep them.
 Copy and edit: cp recipes/flux_grpo.py my_recipe.py, then `bash launch/run.sh CONFIG` with RECIPE=my_recipe.py.
 """
 

@@ -48,7 +48,8 @@ def children(pid: int | None = None) -> list[int]:
 
 
 class Forwarder:
-    """The SIGTERM/SIGINT handler: pass the signal to the workers; kill them `grace_s` seconds after the first one."""
+    """The SIGTERM/SIGINT handler: pass the signal to the workers; kill them `grace_s` seconds after the first one.
+    Subclasses say who the workers are (tools/deepspeed_run.py)."""
 
     def __init__(self, grace_s: float):
         self.grace_s = grace_s
@@ -59,8 +60,17 @@ class Forwarder:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self)
 
+    def workers(self) -> list[int]:
+        return children()
+
+    def no_workers(self, signum: int) -> None:
+        """A signal before any worker has started: nothing to save, stop here (torchrun cleans up as it unwinds)."""
+        print(f"[launch] {signal.Signals(signum).name} before any worker started: stopping; exit 1",
+              file=sys.stderr, flush=True)
+        raise SystemExit(1)
+
     def _send(self, sig: int) -> list[int]:
-        pids = children()
+        pids = self.workers()
         for pid in pids:
             try:
                 os.kill(pid, sig)
@@ -70,10 +80,9 @@ class Forwarder:
 
     def __call__(self, signum: int, frame) -> None:
         pids = self._send(signum)
-        if not pids and self.timer is None:  # no worker yet: nothing to save, stop here (torchrun cleans up)
-            print(f"[launch] {signal.Signals(signum).name} before any worker started: stopping; exit 1",
-                  file=sys.stderr, flush=True)
-            raise SystemExit(1)
+        if not pids and self.timer is None:
+            self.no_workers(signum)
+            return
         print(f"[launch] {signal.Signals(signum).name}: passed to {len(pids)} workers, which finish the step, save a "
               f"checkpoint and exit; killed if still running after {GRACE_ENV}={self.grace_s:g}s", file=sys.stderr,
               flush=True)

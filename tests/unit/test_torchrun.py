@@ -125,3 +125,17 @@ def test_workers_still_running_after_the_grace_period_are_killed(tmp_path):
     assert proc.returncode == 1, err
     assert time.monotonic() - start < 60
     assert "still running 1s after the stop signal: killed" in err and "Traceback" not in err
+
+
+def test_deepspeed_launchers_workers_and_exit_code():
+    """tools/deepspeed_run.py (launch/multinode.sh hostfile form): only a ``python -m deepspeed.launcher.launch``
+    process's children are workers (pdsh's command line carries the same words); 0, 2, 3 pass, the rest is 1."""
+    from tools.deepspeed_run import exit_code, is_launch
+
+    assert is_launch(["/usr/bin/python3", "-u", "-m", "deepspeed.launcher.launch", "--world_info=e30="])
+    assert not is_launch(["pdsh", "-S", "-f", "1024", "-w", "a,b", "cd /x;", "python", "-u", "-m",
+                          "deepspeed.launcher.launch"])
+    assert not is_launch(["python", "-m", "deepspeed.launcher.runner", "--hostfile", "h"])
+    assert [exit_code(c, False)[0] for c in (0, 2, 3, 1, 241, -15)] == [0, 2, 3, 1, 1, 1]
+    assert exit_code(241, False)[1].startswith("[launch] the DeepSpeed launcher exited with code 241")
+    assert exit_code(0, True) == (1, None)  # killed after the grace period: its own line was printed
