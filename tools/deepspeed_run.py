@@ -1,5 +1,7 @@
-"""The DeepSpeed launcher as launch/multinode.sh (hostfile form) runs it: stop signals reach the workers, which save and
-exit 0, and the job's exit code is the workers'.
+"""The DeepSpeed launcher as launch/multinode.sh runs it: stop signals reach the workers, whose exit code is kept.
+
+launch/multinode.sh (hostfile form) runs it in place of ``deepspeed``: on SIGTERM the workers save and exit 0, and
+the job's exit code is the workers'.
 
     python -m tools.deepspeed_run [deepspeed arguments] SCRIPT [script arguments]
 
