@@ -31,7 +31,7 @@ import sys
 
 import psutil
 
-from tools.torchrun import PASSED_ON, Forwarder, grace_seconds
+from tools.torchrun import PASSED_ON, Forwarder, start_forwarding
 
 LAUNCH_MODULE = "deepspeed.launcher.launch"  # what the runner starts on every node; its children are the ranks
 
@@ -107,13 +107,9 @@ def exit_code(code: int, killed: bool) -> tuple[int, str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        grace = grace_seconds()
-    except ValueError as e:
-        print(e, file=sys.stderr)
+    forward = start_forwarding(DeepSpeedForwarder)
+    if forward is None:
         return 2
-    forward = DeepSpeedForwarder(grace)
-    forward.install()
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", *(sys.argv[1:] if argv is None else argv)]
     forward.runner = subprocess.Popen(cmd, start_new_session=True)
     try:

@@ -111,6 +111,18 @@ def grace_seconds() -> float:
     return grace
 
 
+def start_forwarding(cls: type[Forwarder] = Forwarder) -> Forwarder | None:
+    """A `cls` for GRACE_S, installed as the SIGTERM/SIGINT handler; None after printing the error line when GRACE_S
+    is bad (the launcher then exits 2)."""
+    try:
+        forward = cls(grace_seconds())
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return None
+    forward.install()
+    return forward
+
+
 def exit_code(failures: dict) -> tuple[int, str | None]:
     """The job's exit code from torchrun's failures {rank: ProcessFailure}, and a line to print (None: the recipe
     printed its own). A worker's 2 or 3 wins over the others' failures, which follow from it (a rank that left
@@ -126,13 +138,9 @@ def exit_code(failures: dict) -> tuple[int, str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        grace = grace_seconds()
-    except ValueError as e:
-        print(e, file=sys.stderr)
+    forward = start_forwarding()
+    if forward is None:
         return 2
-    forward = Forwarder(grace)
-    forward.install()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 

@@ -1,7 +1,7 @@
 """launch/multinode.sh hostfile form (the DeepSpeed launcher, through tools/deepspeed_run.py): the workers' exit codes
 2 and 3 reach the caller with one error line, and SIGTERM to the script reaches the workers, which save and exit 0.
 
-Stand-in workers (a few seconds each; the recipe's own stop is tested through launch/run.sh in
+Stand-in workers (tests/unit/test_torchrun.py's; the recipe's own stop is tested through launch/run.sh in
 tests/recipe/test_bad_input_launch.py). One node: a localhost hostfile, which DeepSpeed runs without pdsh after its
 ssh check (a fake `ssh`). Two nodes: the fake pdsh of tests/recipe/test_multinode_env.py, which runs each node's
 command here with an empty environment.
@@ -21,38 +21,15 @@ import pytest
 
 from tests import ROOT, TINY
 from tests.recipe.launch import script_env
-from tests.recipe.test_multinode_env import FAKE_PDSH
+from tests.recipe.test_multinode_env import fake_remote_tools
+from tests.unit.test_torchrun import WORKER
 from tools.launch import free_port
 
-pytestmark = pytest.mark.slow  # each case starts the DeepSpeed launcher and its workers (~10-20 s)
-
-# The mode is the output_dir's name (the nodes of the fake pdsh get no variable this test could set).
-WORKER = f"""
-import os, signal, sys, time
-sys.path.insert(0, {str(ROOT)!r})
-from grpo.errors import rank_exit
-mode = os.path.basename(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("output_dir=")))
-if mode in ("exit2", "exit3"):
-    sys.exit(rank_exit("error: x: bad", int(mode[-1])))
-got = []
-signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
-os.write(1, b"ready\\n")
-while not got:
-    time.sleep(0.05)
-if mode == "stuck":
-    time.sleep(600)
-time.sleep(1)
-print(f"rank {{os.environ['RANK']}} saved", file=sys.stderr, flush=True)
-"""
+pytestmark = pytest.mark.slow  # each case starts the DeepSpeed launcher and its workers (30-70 s on 2 busy cores)
 
 
 def _start(tmp_path: Path, mode: str, hosts: list[str], env: dict | None = None) -> subprocess.Popen:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "ssh").write_text("#!/bin/sh\nexit 0\n")  # the launcher's "ssh HOST hostname" check
-    (bin_dir / "pdsh").write_text(FAKE_PDSH)
-    for tool in ("ssh", "pdsh"):
-        (bin_dir / tool).chmod(0o755)
+    bin_dir = fake_remote_tools(tmp_path)
     (tmp_path / "worker.py").write_text(WORKER)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("".join(f"{h} slots={2 // len(hosts)}\n" for h in hosts))
@@ -60,8 +37,8 @@ def _start(tmp_path: Path, mode: str, hosts: list[str], env: dict | None = None)
              "PATH": f"{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "TMPDIR": str(tmp_path),
              "HOME": str(tmp_path), **(env or {})}
     cmd = ["bash", str(ROOT / "launch" / "multinode.sh"), str(hostfile),
-           str(ROOT / "recipes" / "configs" / "tiny" / "grpo_lora.yaml"), f"output_dir={tmp_path / mode}",
-           f"model.path={TINY}"]
+           str(ROOT / "recipes" / "configs" / "tiny" / "grpo_lora.yaml"), f"model.path={TINY}",
+           f"output_dir={tmp_path / mode}"]  # last: the worker's mode
     return subprocess.Popen(cmd, cwd=ROOT, env=script_env(extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 

@@ -15,12 +15,14 @@ from tests import ROOT
 from tools import torchrun as tr
 from tools.launch import free_port, launch_env
 
+# A stand-in worker: its mode is the last argument's last path part (exit2, exit3, save, stuck; under launch/*.sh the
+# output_dir=... override, which is all the recipe's command line carries through to every node).
 WORKER = """
 import os, signal, sys, time
 from grpo.errors import rank_exit
-rank, mode = int(os.environ["RANK"]), sys.argv[1]
-if mode == "exit":
-    sys.exit(rank_exit("error: x: bad", 2))  # what the recipe does on a bad input every rank finds
+rank, mode = int(os.environ["RANK"]), os.path.basename(sys.argv[-1].split("=")[-1])
+if mode.startswith("exit"):
+    sys.exit(rank_exit("error: x: bad", int(mode[4:])))  # what the recipe does on a bad input every rank finds
 got = []
 signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
 os.write(1, b"ready\\n")  # one write: the two workers share the pipe
@@ -66,7 +68,7 @@ def test_bad_grace_period_exits_2(monkeypatch, capsys):
 
 
 def test_worker_exit_2_is_the_launchers_with_one_line(tmp_path):
-    proc = _start(tmp_path, "exit")
+    proc = _start(tmp_path, "exit2")
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2, err
     assert err.strip().splitlines()[-1] == "error: x: bad" and err.count("error:") == 1
@@ -99,7 +101,7 @@ def test_rank_exit_names_the_line_as_a_plain_torchruns_root_cause(tmp_path, monk
 def test_plain_torchrun_exits_1_with_the_line_once_and_as_root_cause(tmp_path):
     """What a user's direct torchrun does with a rank's exit 2 (why the launchers use tools.torchrun): exit 1 and
     torchrun's traceback, but the error line is printed once and its report's root cause is that line."""
-    proc = _start(tmp_path, "exit", launcher="torch.distributed.run")
+    proc = _start(tmp_path, "exit2", launcher="torch.distributed.run")
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1, err
     assert [line for line in err.splitlines() if line.startswith("error:")] == ["error: x: bad"]
