@@ -26,6 +26,9 @@ def run_command(body: Callable[[], str | None]) -> int:
     return 0
 
 
+_MEANING = {2: "bad input", 3: "too many skipped updates"}
+
+
 def rank_exit(line: str, code: int) -> int:
     """A rank's last words before exiting with a code that means something (2 bad input, 3 too many skipped updates):
     every rank finds the same problem, so rank 0 alone prints `line` on stderr. Under torchrun rank 0 also writes it
@@ -45,6 +48,3 @@ def rank_exit(line: str, code: int) -> int:
         except OSError:  # the report is a courtesy; the printed line and the exit code are the contract
             pass
     return code
-
-
-_MEANING = {2: "bad input", 3: "too many skipped updates"}

@@ -2,8 +2,8 @@
 
     python -m tools.torchrun [torchrun arguments] SCRIPT [script arguments]
 
-launch/run.sh and launch/multinode.sh (--torchrun) exec it in place of ``python -m torch.distributed.run``, which it
-runs in this process with two changes:
+launch/run.sh and launch/multinode.sh (--torchrun) exec it in place of ``python -m torch.distributed.run``, and
+tools.launch.torchrun_cmd (tests, tools, benchmarks) starts it; it runs torchrun in this process with two changes:
 
 - Exit code: torchrun turns a failed worker into exit 1 and a ChildFailedError traceback. Here the job exits with the
   first failed worker's code when it is 2 (bad input) or 3 (too many skipped updates), whose one ``error:`` line the
