@@ -48,11 +48,14 @@ def test_ratio_is_one_on_the_first_pass_with_batched_rollouts(lora_runs, full_kl
     assert full_kl_runs[2]["stats"]["clip_frac"] > 0.0  # the second update block is off-policy and gets clipped
 
 
-def assert_same_step(one: dict, two: dict, rel: float = 1e-5) -> None:
+def assert_same_step(one: dict, two: dict, rel: float = 1e-5, max_abs: float = 1e-5) -> None:
     """The same rewards, advantages and (up to rounding) updated weights on 1 and on 2 processes."""
     assert two["world"] == 2
     torch.testing.assert_close(two["rewards"], one["rewards"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(two["advantages"], one["advantages"], rtol=1e-5, atol=1e-5)
+    # The loss and the gradient it makes agree to float rounding; Adam's first step can amplify rounding (below).
+    for key in ("loss", "grad_norm"):
+        assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-5, abs=1e-9), key
     assert set(one["after"]) == set(two["after"])
     moved = 0
     for name, w1 in one["after"].items():
@@ -60,7 +63,7 @@ def assert_same_step(one: dict, two: dict, rel: float = 1e-5) -> None:
         # Relative to the tensor's norm: Adam's first step is ~lr*sign(g), so an element whose gradient is ~0 can
         # move by rounding-level amounts (seen: 7 of 115k elements, 2e-7 absolute, at lr 1e-2).
         assert (w2 - w1).norm() <= rel * w1.norm(), name
-        assert (w2 - w1).abs().max() <= 1e-5, name  # 0.1% of one Adam step at lr 1e-2
+        assert (w2 - w1).abs().max() <= max_abs, name  # 1e-5: 0.1% of one Adam step at lr 1e-2
         moved += int(not torch.equal(w1, one["before"][name]))
     assert moved > 0  # the step did update the weights
 
@@ -104,7 +107,10 @@ def test_strategies_and_objectives_keep_the_invariants(preset_runs):
         assert "ratio_max_dev" not in runs[2]["stats"]  # no transition log-prob: nothing to log
     # With RatioNorm the loss and the gradient norm agree to 1e-11, but its 1/dt reweighting makes the gradients
     # ~10x larger and more elements sit near Adam's sign flip: measured 1.1e-5 of the norm (max 5e-6 absolute).
-    assert_same_step(runs[1], runs[2], rel=3e-5 if name == "mixgrpo_flash" else 1e-5)
+    # NFT on the tiny world v2: one element of a LoRA B whose gradient is ~0 moved 1.6e-5 (0.16% of one Adam step,
+    # 3.6e-5 of the tensor's norm), while the loss and the gradient norm agree to rounding.
+    rel, max_abs = {"mixgrpo_flash": (3e-5, 1e-5), "nft": (1e-4, 1e-4)}.get(name, (1e-5, 1e-5))
+    assert_same_step(runs[1], runs[2], rel=rel, max_abs=max_abs)
     assert runs[2]["stats"]["forwards_per_image"] == PRESETS[name][2]
     if name == "flowgrpo_fast":
         assert runs[2]["stats"]["clip_frac"] > 0.0  # the second, off-policy block is clipped at 1e-5
