@@ -20,7 +20,8 @@ def test_compiled_step_matches_eager(tmp_path):
     runs = {}
     for c in ("false", "true"):
         (tmp_path / c).mkdir()
-        runs[c] = one_step(tmp_path / c, 2, "recipes/configs/tiny/grpo_lora.yaml", ["optim.lr=1e-2", f"model.compile={c}"])
+        runs[c] = one_step(tmp_path / c, 2, "recipes/configs/tiny/grpo_lora.yaml",
+                           ["optim.lr=1e-2", f"model.compile={c}"])
     eager, compiled = runs["false"], runs["true"]
     assert compiled["stats"]["ratio_max_dev"] == 0.0, compiled["stats"]
     assert eager["stats"]["ratio_max_dev"] == 0.0, eager["stats"]
