@@ -34,6 +34,8 @@ def validate(cfg: RecipeConfig) -> None:
         raise ConfigError(f"sampling.shift: {s.shift!r}; use a number (e.g. 3.0) or dynamic")
     if not isinstance(s.shift, str):
         _positive(s.shift, "sampling.shift", "use a positive time shift such as 3.0")
+    if s.guidance < 0:
+        raise ConfigError(f"sampling.guidance: {s.guidance} is negative; FLUX.1-dev's distilled guidance is e.g. 3.5")
     if s.resolution % 16:
         raise ConfigError(f"sampling.resolution: {s.resolution} must be a multiple of 16 (VAE x 2x2 packing)")
     for key, value in (
@@ -47,21 +49,15 @@ def validate(cfg: RecipeConfig) -> None:
                   "use a multiple of micro_batch_size, or null")
     if not 0 < g.timestep_fraction <= 1:
         raise ConfigError(f"grpo.timestep_fraction: {g.timestep_fraction} must be in (0, 1]")
-    _positive(g.clip_range, "grpo.clip_range", "DanceGRPO uses 1e-4")
+    if not 0 < g.clip_range < 1:  # the ratio is clipped to [1 - clip_range, 1 + clip_range]: its lower end must be > 0
+        raise ConfigError(f"grpo.clip_range: {g.clip_range} must be in (0, 1); DanceGRPO uses 1e-4")
     _positive(g.adv_clip, "grpo.adv_clip", "DanceGRPO uses 5.0")
     if g.std_scope not in ("group", "batch"):
         raise ConfigError(f"grpo.std_scope: {g.std_scope!r} is unknown; use group or batch")
     if g.kl_coef < 0:
         raise ConfigError(f"grpo.kl_coef: {g.kl_coef} is negative; use 0 (no reference) or a positive weight")
     _validate_algorithm(cfg)
-    _positive(cfg.optim.lr, "optim.lr", "e.g. 1e-5 full fine-tune, 3e-4 LoRA")
-    _positive(cfg.optim.max_grad_norm, "optim.max_grad_norm", "DanceGRPO uses 1.0")
-    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
-        raise ConfigError(f"optim.betas: expected two numbers in [0, 1), got {cfg.optim.betas}; e.g. [0.9, 0.999]")
-    if cfg.lora is not None:
-        _positive(cfg.lora.rank, "lora.rank", "e.g. 8 (tiny) or 128 (FLUX.1-dev)")
-        if not cfg.lora.target_modules:
-            raise ConfigError("lora.target_modules: empty; list module names such as to_q, to_k, to_v, to_out.0")
+    _validate_optim_lora(cfg)
     if not cfg.rewards:
         raise ConfigError("rewards: empty; give at least one {name: weight}, e.g. {tiny_world: 1.0}")
     if cfg.data.max_sequence_length < 1:
@@ -86,6 +82,30 @@ def _check_cpp_compiler() -> None:
     if not any(shutil.which(c) for c in (os.environ.get("CXX"), "g++", "clang++", "c++") if c):
         raise ConfigError("model.compile: true needs a C++ compiler for torch.compile (none of $CXX, g++, clang++, c++ "
                           "is on PATH); install g++ or set model.compile=false")
+
+
+def _validate_optim_lora(cfg: RecipeConfig) -> None:
+    """AdamW, gradient clipping and the LoRA adapters' numbers (finiteness is the schema's)."""
+    o = cfg.optim
+    _positive(o.lr, "optim.lr", "e.g. 1e-5 full fine-tune, 3e-4 LoRA")
+    _positive(o.max_grad_norm, "optim.max_grad_norm", "DanceGRPO uses 1.0")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        raise ConfigError(f"optim.betas: expected two numbers in [0, 1), got {o.betas}; e.g. [0.9, 0.999]")
+    # eps divides the update by sqrt(v) + eps: 0 gives inf/nan on a parameter with no gradient yet
+    _positive(o.eps, "optim.eps", "e.g. 1e-8")
+    if o.weight_decay < 0:
+        raise ConfigError(f"optim.weight_decay: {o.weight_decay} is negative (it would grow the weights); use 0 or "
+                          "e.g. 1e-4")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps: {o.warmup_steps} is negative; use 0 (off) or a number of optimizer "
+                          "steps")
+    if cfg.lora is not None:
+        _positive(cfg.lora.rank, "lora.rank", "e.g. 8 (tiny) or 128 (FLUX.1-dev)")
+        _positive(cfg.lora.alpha, "lora.alpha", "the update scale is alpha / rank; e.g. alpha = rank")
+        if not 0 <= cfg.lora.dropout < 1:
+            raise ConfigError(f"lora.dropout: {cfg.lora.dropout} must be in [0, 1); 0 = off")
+        if not cfg.lora.target_modules:
+            raise ConfigError("lora.target_modules: empty; list module names such as to_q, to_k, to_v, to_out.0")
 
 
 def _validate_algorithm(cfg: RecipeConfig) -> None:
@@ -172,6 +192,9 @@ def _validate_profile(cfg: RecipeConfig) -> None:
     if bad:
         raise ConfigError(f"profile.steps: {bad[0]} is not a step of this run (0..{cfg.max_steps - 1}); "
                           "choose steps after the first, e.g. [2, 3]")
+    if cfg.profile.ranks is not None and any(r < 0 for r in cfg.profile.ranks):
+        raise ConfigError(f"profile.ranks: {cfg.profile.ranks} holds a negative rank; list ranks from 0, or null "
+                          "for every rank")
     if not cfg.profile.dir.strip():
         raise ConfigError("profile.dir: empty; give a folder name under output_dir, e.g. profile")
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+import time
 from typing import Callable
 
 
@@ -21,3 +24,27 @@ def run_command(body: Callable[[], str | None]) -> int:
     if out is not None:
         print(out)
     return 0
+
+
+_MEANING = {2: "bad input", 3: "too many skipped updates"}
+
+
+def rank_exit(line: str, code: int) -> int:
+    """A rank's last words before exiting with a code that means something (2 bad input, 3 too many skipped updates):
+    every rank finds the same problem, so rank 0 alone prints `line` on stderr. Under torchrun rank 0 also writes it
+    to torchelastic's error file (TORCHELASTIC_ERROR_FILE, the format ErrorHandler.record_exception writes), so that
+    a plain torchrun, which exits 1 with its ChildFailedError report, names that line and its code as the root
+    cause instead of "To enable traceback see ...". Returns `code`."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return code
+    print(line, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        shown = f"{line} (exit {code}: {_MEANING.get(code, 'see above')}; launch/run.sh passes the code on)"
+        data = {"message": {"message": line, "extraInfo": {"py_callstack": shown, "timestamp": str(int(time.time()))}}}
+        try:
+            with open(error_file, "w") as f:
+                json.dump(data, f)
+        except OSError:  # the report is a courtesy; the printed line and the exit code are the contract
+            pass
+    return code

@@ -10,9 +10,11 @@
 # Without ssh (e.g. under a scheduler) run torchrun on each node instead:
 #   NNODES=4 NODE_RANK=$i MASTER_ADDR=head bash launch/multinode.sh --torchrun CONFIG [key=value ...]
 # Exit code: the workers' (0 done or stopped cleanly, 2 bad input, 3 too many skipped updates, 1 anything else).
-# Preemption: the --torchrun form passes SIGTERM/SIGINT to its node's workers, which finish the step, save and exit 0
-# (GRACE_S seconds at most, default 600; tools/torchrun.py). The hostfile form's DeepSpeed launcher does not: it stops
-# the workers at once, and the run continues from its last checkpoint with checkpoint.resume=auto.
+# Preemption: SIGTERM/SIGINT to this script go to the workers on this machine, which finish the step, agree with the
+# other ranks to stop, save and exit 0 (GRACE_S seconds at most, default 600): in the --torchrun form every node's
+# script must get the signal (tools/torchrun.py); in the hostfile form the launching node's workers stop the whole job
+# (tools/deepspeed_run.py, around the DeepSpeed launcher, which alone would kill the workers at once). With no worker
+# on the launching node the hostfile form falls back to DeepSpeed's immediate stop: resume from the last checkpoint.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 recipe=${RECIPE:-$root/recipes/flux_grpo.py}
@@ -52,8 +54,8 @@ else
           "$hostfile")
   (( world > 0 )) || { echo "error: hostfile $hostfile gives no slots; write one line per node: hostname slots=8" >&2
                        exit 2; }
-  cmd=(deepspeed --hostfile "$hostfile" --master_addr "$master" --master_port "${MASTER_PORT:-29500}"
-       "$recipe" --config "$config" "$@")
+  cmd=(python -m tools.deepspeed_run --hostfile "$hostfile" --master_addr "$master"
+       --master_port "${MASTER_PORT:-29500}" "$recipe" --config "$config" "$@")
 fi
 # A bad setting fails here, in one process that loads no model, before every rank pays for its imports.
 python -m tools.check --world-size "$world" "$config" "$@"

@@ -44,7 +44,8 @@ Launch:
     bash launch/multinode.sh HOSTFILE CONFIG [key=value ...]
     ... checkpoint.resume=auto                     # after a preemption or crash: continue from the last checkpoint
 Exit codes: 0 done (or stopped by SIGTERM/SIGINT after saving), 2 bad input (one line on stderr, nothing written),
-3 too many skipped updates in a row (a checkpoint was saved), 1 anything else (e.g. a dead rank).
+3 too many skipped updates in a row (a checkpoint was saved), 1 anything else (e.g. a dead rank). A plain torchrun
+reports 2 and 3 as 1 (rank 0's line is its report's root cause); launch/*.sh and python -m tools.torchrun keep them.
 Copy and edit: cp recipes/flux_grpo.py my_recipe.py, then `bash launch/run.sh CONFIG` with RECIPE=my_recipe.py.
 """
 
@@ -54,7 +55,6 @@ import argparse
 import contextlib
 import dataclasses
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -73,7 +73,7 @@ from grpo.config import RecipeConfig, dump_config, load_config, to_dict
 from grpo.data import matching_noise, micro_batches, prompts_for_step, step_noise_generator, trained_steps
 from grpo.distributed import gather_by_index
 from grpo.ema import ShardedEMA
-from grpo.errors import ConfigError
+from grpo.errors import ConfigError, rank_exit
 from grpo.flux import compile_blocks, compile_seconds, enable_checkpointing, load_parts, velocity
 from grpo.inputs import check_inputs
 from grpo.loading import transformer_loader
@@ -547,18 +547,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     # Every rank finds a bad setting or a skip streak alike; rank 0 alone prints the line, the others exit quietly
     # with the same code, which the launchers pass on (tools/torchrun.py).
-    say = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)
     try:
         recipe = FluxGRPORecipe(load_config(args.config, args.overrides))
         recipe.setup()
     except ConfigError as e:
-        say(f"error: {e}", file=sys.stderr)
-        return 2
+        return rank_exit(f"error: {e}", 2)
     try:
         recipe.train()
     except health.TooManySkips as e:
-        say(f"error: {e}", file=sys.stderr)
-        return health.EXIT_TOO_MANY_SKIPS
+        return rank_exit(f"error: {e}", health.EXIT_TOO_MANY_SKIPS)
     except RuntimeError as e:  # a dead or hung rank surfaces here after faults.comm_timeout_s
         hint = health.comm_failure(e, recipe.cfg.faults.comm_timeout_s)
         if hint:

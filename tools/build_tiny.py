@@ -1,6 +1,7 @@
 """Build the embedded tiny FLUX model for the synthetic world, fully offline.
 
     python -m tools.build_tiny --out assets/tiny-flux [--vae-steps N] [--transformer-steps N] [--seed S]
+    python -m tools.build_tiny --out NEW --init-from OLD --transformer-steps N [--transformer-lr LR]
 
 Phases (each logged with its time):
 
@@ -15,6 +16,9 @@ Phases (each logged with its time):
 6. a short evaluation: world score of pipeline samples on the held-out prompts, next to rendered ground truth.
 
 `--vae-steps 0 --transformer-steps 0` gives an untrained but complete model in seconds (tests use it).
+`--init-from OLD` continues an earlier build: its tokenizers, text encoders and VAE are kept bit for bit and only the
+transformer trains further, so a longer pretraining does not redo the VAE phase. `build_info.json` then records the
+chain of builds (`init_from`), which is what reproduces the result.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import argparse
 import json
 import logging
 import math
+import shutil
 import tempfile
 import time
 from collections import Counter
@@ -388,48 +393,13 @@ def sample_scores(pipe, prompts: list[str], steps: int, seeds: list[int]) -> tor
 # Entry point
 
 
-def build(
-    out: Path,
-    vae_steps: int = 300,
-    transformer_steps: int = 400,
-    seed: int = 0,
-    vae_batch: int = 16,
-    transformer_batch: int = 32,
-    vae_lr: float = 2e-3,
-    transformer_lr: float = 1e-3,
-    shift: float = 3.0,
-    images_per_prompt: int = 32,
-    layers: int = 2,
-    single_layers: int = 4,
-    eval_steps: int = 12,
-    eval_seeds: int = 2,
-    latent_stat_images: int = 512,
-) -> dict:
-    """Build, train and save the tiny FluxPipeline; returns a summary (also written to out/build_info.json).
-
-    Args:
-        out: output folder (diffusers FluxPipeline layout).
-        vae_steps, transformer_steps: optimisation steps (0: keep the random initialisation).
-        seed: seeds every random choice, so a build is reproducible on the same machine and thread count.
-        eval_steps, eval_seeds: sampling steps and seeds of the final held-out evaluation (0 seeds: skip).
-        latent_stat_images: rendered images whose latents set the VAE scaling/shift factors.
-    """
+def _fresh_pipeline(layers: int, single_layers: int):
+    """Tokenizers and untrained models assembled into a FluxPipeline; returns (pipe, parameter counts)."""
     from diffusers import FluxPipeline
 
-    t0 = time.perf_counter()
-    times: dict[str, float] = {}
-
-    def mark(name: str, since: float) -> float:
-        times[name] = round(time.perf_counter() - since, 1)
-        return time.perf_counter()
-
-    torch.manual_seed(seed)
-    generator = torch.Generator().manual_seed(seed)
-    t = time.perf_counter()
     with _phase("tokenizers"), tempfile.TemporaryDirectory() as tmp:
         clip_tok = build_clip_tokenizer(Path(tmp) / "clip")
         t5_tok = build_t5_tokenizer(Path(tmp) / "t5")
-    t = mark("tokenizers", t)
     with _phase("models"):
         text_encoder, text_encoder_2 = build_text_encoders(clip_tok, t5_tok)
         vae = build_vae()
@@ -447,14 +417,70 @@ def build(
         parts = dict(transformer=transformer, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2)
         n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in parts.items()}
         logger.info("parameters %s", n_params)
-    t = mark("models", t)
-    with _phase("vae"):
-        if vae_steps > 0:
-            train_vae(vae, vae_steps, vae_batch, vae_lr, kl_weight=1e-3, generator=generator)
-        factors = set_latent_factors(vae, generator, latent_stat_images)
-        vae.requires_grad_(False)
-        logger.info("vae latent factors %s", factors)
-    t = mark("vae", t)
+    return pipe, n_params
+
+
+def build(
+    out: Path,
+    vae_steps: int = 300,
+    transformer_steps: int = 400,
+    seed: int = 0,
+    vae_batch: int = 16,
+    transformer_batch: int = 32,
+    vae_lr: float = 2e-3,
+    transformer_lr: float = 1e-3,
+    shift: float = 3.0,
+    images_per_prompt: int = 32,
+    layers: int = 2,
+    single_layers: int = 4,
+    eval_steps: int = 12,
+    eval_seeds: int = 2,
+    latent_stat_images: int = 512,
+    init_from: Path | None = None,
+) -> dict:
+    """Build, train and save the tiny FluxPipeline; returns a summary (also written to out/build_info.json).
+
+    Args:
+        out: output folder (diffusers FluxPipeline layout).
+        vae_steps, transformer_steps: optimisation steps (0: keep the random initialisation).
+        seed: seeds every random choice, so a build is reproducible on the same machine and thread count.
+        eval_steps, eval_seeds: sampling steps and seeds of the final held-out evaluation (0 seeds: skip).
+        latent_stat_images: rendered images whose latents set the VAE scaling/shift factors.
+        init_from: an earlier build to continue (vae_steps must be 0; its VAE factors are kept).
+    """
+    from diffusers import FluxPipeline
+
+    t0 = time.perf_counter()
+    times: dict[str, float] = {}
+
+    def mark(name: str, since: float) -> float:
+        times[name] = round(time.perf_counter() - since, 1)
+        return time.perf_counter()
+
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    t = time.perf_counter()
+    if init_from is not None:
+        vae_steps = 0  # the VAE is the earlier build's, bit for bit
+        with _phase("load"):
+            pipe = FluxPipeline.from_pretrained(str(init_from))
+            pipe.set_progress_bar_config(disable=True)
+            vae, transformer = pipe.vae, pipe.transformer
+            transformer.requires_grad_(True)
+            factors = {k: vae.config[k] for k in ("shift_factor", "scaling_factor")}
+            n_params = json.loads((init_from / "build_info.json").read_text())["parameters"]
+        t = mark("load", t)
+    else:
+        pipe, n_params = _fresh_pipeline(layers, single_layers)
+        vae, transformer = pipe.vae, pipe.transformer
+        t = mark("models", t)
+        with _phase("vae"):
+            if vae_steps > 0:
+                train_vae(vae, vae_steps, vae_batch, vae_lr, kl_weight=1e-3, generator=generator)
+            factors = set_latent_factors(vae, generator, latent_stat_images)
+            vae.requires_grad_(False)
+            logger.info("vae latent factors %s", factors)
+        t = mark("vae", t)
     with _phase("transformer"):
         if transformer_steps > 0:
             train_transformer(
@@ -464,13 +490,22 @@ def build(
     t = mark("transformer", t)
     with _phase("save"):
         out.mkdir(parents=True, exist_ok=True)
-        pipe.save_pretrained(str(out), safe_serialization=True)
+        if init_from is None:
+            pipe.save_pretrained(str(out), safe_serialization=True)
+        else:
+            # Copy the kept parts verbatim: a tokenizer round trip through save_pretrained drops the T5 tokenizer's
+            # Lowercase normalizer (transformers 5), which would change how an upper-case prompt tokenizes.
+            if out.resolve() != init_from.resolve():
+                shutil.copytree(init_from, out, dirs_exist_ok=True)
+            transformer.save_pretrained(str(out / "transformer"), safe_serialization=True)
     t = mark("save", t)
 
     summary: dict = {
         "seed": seed,
+        "init_from": None if init_from is None else json.loads((init_from / "build_info.json").read_text()),
         "vae_steps": vae_steps,
         "transformer_steps": transformer_steps,
+        "transformer_lr": transformer_lr,
         "parameters": n_params,
         "vae_factors": factors,
     }
@@ -511,12 +546,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--single-layers", type=int, default=4, help="single-stream blocks")
     p.add_argument("--eval-steps", type=int, default=12)
     p.add_argument("--eval-seeds", type=int, default=2, help="0 skips the held-out evaluation")
+    p.add_argument("--init-from", type=Path, default=None, help="an earlier build to continue (transformer only)")
     # One thread by default: on a shared 2-core machine two OpenMP threads per process ran ~8x slower per step.
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (results depend on it bit-wise)")
     args = p.parse_args(argv)
     for name in ("vae_steps", "transformer_steps", "eval_seeds", "eval_steps"):
         if getattr(args, name) < 0:
             raise SystemExit(f"--{name.replace('_', '-')}: must be >= 0, got {getattr(args, name)}")
+    if args.init_from is not None and not (args.init_from / "build_info.json").is_file():
+        raise SystemExit(f"--init-from: {args.init_from} is not a build of this tool (no build_info.json)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     build(
@@ -534,6 +572,7 @@ def main(argv: list[str] | None = None) -> None:
         single_layers=args.single_layers,
         eval_steps=args.eval_steps,
         eval_seeds=args.eval_seeds,
+        init_from=args.init_from,
     )
 
 

@@ -3,8 +3,8 @@
     python -m tools.check --world-size N CONFIG [key=value ...]
 
 launch/run.sh and launch/multinode.sh run it before torchrun, so that a bad setting costs no rank's imports. It
-imports neither DeepSpeed nor (unless LoRA targets are checked) diffusers, so it takes a few seconds. ``--help`` also lists every setting and reward
-option.
+imports neither DeepSpeed nor (unless LoRA targets are checked) diffusers, so it takes a few seconds. ``--help`` also
+lists every setting and reward option.
 """
 
 from __future__ import annotations

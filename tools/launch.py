@@ -1,4 +1,5 @@
-"""Starting jobs on this machine: a free port and torchrun command lines, for benchmarks, tools and tests.
+"""Starting jobs on this machine: a free port and torchrun command lines (through tools/torchrun.py), for benchmarks,
+tools and tests.
 
     cmd = torchrun_cmd(2, ["recipes/flux_grpo.py", "--config", CONFIG])   # the command line only
     proc = run_torchrun(2, [script, *args])                                # run it to the end
@@ -22,9 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def torchrun_cmd(nproc: int, script: list[str], *, nnodes: int = 1, node_rank: int = 0, port: int | None = None,
                  addr: str = "127.0.0.1") -> list[str]:
-    """``python -m torch.distributed.run ... SCRIPT``: `nproc` processes per node meeting at addr:port (a free
-    port when None). `script` is a file with its arguments, or ``["-m", "package.module", ...]``."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node_rank", str(node_rank),
+    """``python -m tools.torchrun ... SCRIPT``: `nproc` processes per node meeting at addr:port (a free port when
+    None). `script` is a file with its arguments, or ``["-m", "package.module", ...]``. tools.torchrun is torchrun
+    with the workers' exit code (2, 3) passed on and stop signals forwarded, as launch/run.sh runs it; it needs the
+    repository importable (launch_env)."""
+    return [sys.executable, "-m", "tools.torchrun", "--nnodes", str(nnodes), "--node_rank", str(node_rank),
             "--nproc_per_node", str(nproc), "--master_addr", addr, "--master_port", str(port or free_port()),
             *script]
 

@@ -21,7 +21,8 @@ Per device it counts:
                  peak of live tensors of one no-grad forward (traced), plus the trajectories kept until the update.
   reference      full fine-tune with kl_coef > 0: a second set of weight partitions; LoRA: nothing (adapters off).
   averages       fp32 shards of the trained weights: the eval EMA (ema.decay), nft/awm's lagging policy.
-  VAE, rewards   weights (unless offloaded: they then visit the device for their phase only), the decode's peak.
+  VAE, rewards   weights (unless offloaded: they then visit the device for their phase only), the decode's peak;
+                 rewards scored by a server (remote, vlm_judge) take no device memory.
   comm buffers   ZeRO-3's reduce bucket (reduce_bucket_size elements, resident), the prefetch bucket and the largest
                  module in flight, the fp32 copy of a sub-group's gradients at the optimizer step (b < 4).
 
@@ -64,6 +65,9 @@ OFFLOAD_CONFIG = "ds_configs/zero3_offload.json"
 BACKBONE_PARAMS = {"ViT-H-14": 986_109_441, "ViT-H-14-378": 986_109_441, "ViT-H-14-378-quickgelu": 986_109_441,
                    "ViT-L-14": 427_616_513, "ViT-L-14-quickgelu": 427_616_513}
 REWARD_BACKBONE = {"hpsv2": "ViT-H-14", "pickscore": "ViT-H-14", "aesthetic": "ViT-L-14"}
+# Rewards scored by a server (python -m tools.rewards serve, a VLM server): their models are on other machines.
+SERVED_REWARDS = ("remote", "vlm_judge")
+REWARD_SERVER = "http://REWARD_HOST:8000"  # the lever's placeholder: where `python -m tools.rewards serve` listens
 
 # ZeRO-3 defaults (deepspeed/runtime/zero/config.py) for keys the JSON may omit.
 _ZERO_DEFAULTS = {"stage3_param_persistence_threshold": 100_000, "reduce_bucket_size": 500_000_000,
@@ -358,6 +362,9 @@ def _reward_bytes(rewards: dict) -> tuple[int, int, list[str]]:
     notes = []
     for name, options in normalize_spec(rewards).items():
         base = name.split("@", 1)[0]
+        if base in SERVED_REWARDS:
+            notes.append(f"reward {name}: scored by the server at {options.get('url')}, no device memory here")
+            continue
         arch = options.get("model", "ViT-H-14") if base == "clip_score" else REWARD_BACKBONE.get(base)
         if arch is None:  # programmatic rewards, or a custom one we cannot see into
             continue
@@ -502,6 +509,24 @@ def report(p: Plan, memory: int, headroom: float) -> list[str]:
     return lines
 
 
+def _reward_levers(rewards: dict) -> list[tuple[str, list[str]]]:
+    """Per model reward on the device: offload it between scorings, or serve it from another machine (`remote`)."""
+    from grpo.rewards import normalize_spec
+
+    spec = normalize_spec(rewards)
+    out = []
+    for name, options in spec.items():
+        if name.split("@", 1)[0] not in REWARD_BACKBONE or options.get("device") == "cpu":
+            continue
+        if isinstance(rewards[name], dict) and not options.get("offload"):  # a bare weight has no options to set
+            out.append((f"reward {name} offloaded between scorings", [f"rewards.{name}.offload=true"]))
+        served = {"url": REWARD_SERVER, "reward": name, "weight": options.get("weight", 1.0)}
+        remote = {(f"remote@{name}" if k == name else k): (served if k == name else v) for k, v in spec.items()}
+        out.append((f"reward {name} served by `python -m tools.rewards serve` on another machine",
+                    ["rewards=" + json.dumps(remote, separators=(",", ":"))]))
+    return out
+
+
 def candidate_changes(cfg: RecipeConfig) -> list[tuple[str, list[str]]]:
     """Changes that lower the peak, as recipe overrides, cheapest first: those that keep the algorithm and cost
     nothing or little time, then CPU offload (host memory and transfer time), then LoRA (changes what is trained)."""
@@ -510,9 +535,7 @@ def candidate_changes(cfg: RecipeConfig) -> list[tuple[str, list[str]]]:
         out.append(("checkpoint every block", ["model.gradient_checkpointing=true"]))
     if not cfg.model.offload_vae:
         out.append(("VAE offloaded between decodes", ["model.offload_vae=true"]))
-    for name, spec in cfg.rewards.items():
-        if isinstance(spec, dict) and not spec.get("offload") and name.split("@", 1)[0] in REWARD_BACKBONE:
-            out.append((f"reward {name} offloaded between scorings", [f"rewards.{name}.offload=true"]))
+    out += _reward_levers(cfg.rewards)
     if cfg.deepspeed.gather_for_rollout:
         out.append(("layer-wise rollouts (no full gather)", ["deepspeed.gather_for_rollout=false"]))
     if cfg.batch.rollout_micro_batch > cfg.batch.micro_batch_size:

@@ -1,23 +1,30 @@
-"""List the rewards, or score a folder of images with one, before spending a cluster on it.
+"""List the rewards, score a folder of images with one before spending a cluster on it, or serve rewards over HTTP.
 
     python -m tools.rewards --list
     python -m tools.rewards score --reward hpsv2 --images DIR --prompts prompts.txt [--option version=v2.0 ...]
+    python -m tools.rewards serve CONFIG --host 0.0.0.0 --port 8000 [--device cuda:0]
 
-The prompts file has one prompt per line: either one line (used for every image) or one line per image, in the
-order of the image file names sorted. Prints one "file<TAB>score" line per image, then the mean.
+score: the prompts file has one prompt per line: either one line (used for every image) or one line per image, in
+the order of the image file names sorted. Prints one "file<TAB>score" line per image, then the mean.
+
+serve: loads the rewards of CONFIG (a recipe preset, whose `rewards:` map is used, or a YAML file holding just such a
+map) and scores them for `remote` rewards of training runs on other machines (grpo/rewards/service.py), so the
+reward models take no memory on the training devices. Bad config or a busy port: one line, exit 2, before loading.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from pathlib import Path
 
 import torch
 
 from grpo.errors import ConfigError
-from grpo.rewards.registry import build_rewards, describe_rewards
+from grpo.rewards.registry import build_rewards, check_rewards, describe_rewards
+from grpo.schema import read_yaml
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
@@ -85,6 +92,46 @@ def _score(args: argparse.Namespace) -> None:
           + (f", {int((~finite).sum())} non-finite left out)" if not finite.all() else ")"))
 
 
+def _served_spec(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"CONFIG: {path} is not a file; give a recipe preset or a YAML rewards map")
+    raw = read_yaml(path)
+    spec = raw.get("rewards", raw) if isinstance(raw, dict) else raw
+    check_rewards(spec)
+    return spec
+
+
+def _check_port(host: str, port: int) -> None:
+    # Before the models load (minutes for ViT-H): a busy port would otherwise end the server only after that.
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as err:
+        raise ConfigError(f"--port: cannot listen on {host}:{port} ({err.strerror}); choose a free port or host")
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from grpo.rewards.service import Batcher, make_app
+
+    spec = _served_spec(Path(args.config))
+    if args.max_batch < 1 or args.batch_wait_ms < 0:
+        raise ConfigError("--max-batch must be >= 1 and --batch-wait-ms >= 0")
+    _check_port(args.host, args.port)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rewards = build_rewards(spec, device)
+    rewards.load()  # a reward server keeps its models on its device: `offload` is for training devices
+    batcher = Batcher(rewards, args.max_batch, args.batch_wait_ms / 1000)
+    logging.getLogger(__name__).info("serving %s on http://%s:%d (%s)", ", ".join(rewards.names), args.host,
+                                     args.port, device)
+    try:
+        uvicorn.run(make_app(batcher), host=args.host, port=args.port, log_level="warning")
+    finally:
+        batcher.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.rewards", description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="list the registered rewards and their options")
@@ -97,6 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     score.add_argument("--prompts", required=True, help="text file: one prompt, or one per image")
     score.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     score.add_argument("--batch-size", type=int, default=None, dest="batch_size")
+    serve = sub.add_parser("serve", help="serve rewards over HTTP for `remote` rewards")
+    serve.add_argument("config", help="recipe preset (its rewards: map) or a YAML rewards map")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    serve.add_argument("--max-batch", type=int, default=64, dest="max_batch",
+                       help="images of concurrent requests scored together, at most")
+    serve.add_argument("--batch-wait-ms", type=float, default=10.0, dest="batch_wait_ms",
+                       help="how long a request waits for others to batch with")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
@@ -104,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             _list()
         elif args.command == "score":
             _score(args)
+        elif args.command == "serve":
+            _serve(args)
         else:
             parser.print_help()
             return 2

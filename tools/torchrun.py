@@ -2,8 +2,8 @@
 
     python -m tools.torchrun [torchrun arguments] SCRIPT [script arguments]
 
-launch/run.sh and launch/multinode.sh (--torchrun) exec it in place of ``python -m torch.distributed.run``, which it
-runs in this process with two changes:
+launch/run.sh and launch/multinode.sh (--torchrun) exec it in place of ``python -m torch.distributed.run``, and
+tools.launch.torchrun_cmd (tests, tools, benchmarks) starts it; it runs torchrun in this process with two changes:
 
 - Exit code: torchrun turns a failed worker into exit 1 and a ChildFailedError traceback. Here the job exits with the
   first failed worker's code when it is 2 (bad input) or 3 (too many skipped updates), whose one ``error:`` line the
@@ -48,7 +48,8 @@ def children(pid: int | None = None) -> list[int]:
 
 
 class Forwarder:
-    """The SIGTERM/SIGINT handler: pass the signal to the workers; kill them `grace_s` seconds after the first one."""
+    """The SIGTERM/SIGINT handler: pass the signal to the workers; kill them `grace_s` seconds after the first one.
+    Subclasses say who the workers are (tools/deepspeed_run.py)."""
 
     def __init__(self, grace_s: float):
         self.grace_s = grace_s
@@ -59,8 +60,17 @@ class Forwarder:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self)
 
+    def workers(self) -> list[int]:
+        return children()
+
+    def no_workers(self, signum: int) -> None:
+        """A signal before any worker has started: nothing to save, stop here (torchrun cleans up as it unwinds)."""
+        print(f"[launch] {signal.Signals(signum).name} before any worker started: stopping; exit 1",
+              file=sys.stderr, flush=True)
+        raise SystemExit(1)
+
     def _send(self, sig: int) -> list[int]:
-        pids = children()
+        pids = self.workers()
         for pid in pids:
             try:
                 os.kill(pid, sig)
@@ -70,10 +80,9 @@ class Forwarder:
 
     def __call__(self, signum: int, frame) -> None:
         pids = self._send(signum)
-        if not pids and self.timer is None:  # no worker yet: nothing to save, stop here (torchrun cleans up)
-            print(f"[launch] {signal.Signals(signum).name} before any worker started: stopping; exit 1",
-                  file=sys.stderr, flush=True)
-            raise SystemExit(1)
+        if not pids and self.timer is None:
+            self.no_workers(signum)
+            return
         print(f"[launch] {signal.Signals(signum).name}: passed to {len(pids)} workers, which finish the step, save a "
               f"checkpoint and exit; killed if still running after {GRACE_ENV}={self.grace_s:g}s", file=sys.stderr,
               flush=True)
@@ -102,6 +111,18 @@ def grace_seconds() -> float:
     return grace
 
 
+def start_forwarding(cls: type[Forwarder] = Forwarder) -> Forwarder | None:
+    """A `cls` for GRACE_S, installed as the SIGTERM/SIGINT handler; None after printing the error line when GRACE_S
+    is bad (the launcher then exits 2)."""
+    try:
+        forward = cls(grace_seconds())
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return None
+    forward.install()
+    return forward
+
+
 def exit_code(failures: dict) -> tuple[int, str | None]:
     """The job's exit code from torchrun's failures {rank: ProcessFailure}, and a line to print (None: the recipe
     printed its own). A worker's 2 or 3 wins over the others' failures, which follow from it (a rank that left
@@ -117,13 +138,9 @@ def exit_code(failures: dict) -> tuple[int, str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        grace = grace_seconds()
-    except ValueError as e:
-        print(e, file=sys.stderr)
+    forward = start_forwarding()
+    if forward is None:
         return 2
-    forward = Forwarder(grace)
-    forward.install()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 

@@ -11,7 +11,8 @@ Interface used by the recipe::
     reward = mix(comps, rewards.weights, group_ids, normalize_per_group)
 
 Registered names: hpsv2, pickscore, clip_score, aesthetic, tiny_world, jpeg_compressibility,
-jpeg_incompressibility; "pkg.module:factory" adds your own. `python -m tools.rewards --list` shows every option.
+jpeg_incompressibility, remote (a reward served by `python -m tools.rewards serve`), vlm_judge (a VLM behind an
+OpenAI-compatible chat API); "pkg.module:factory" adds your own. `python -m tools.rewards --list` shows every option.
 """
 
 from grpo.rewards.base import ModelReward, Reward

@@ -13,7 +13,7 @@ from grpo.rewards.hub import FileRef
 from grpo.rewards.options import CommonOptions, parse_dtype
 from grpo.rewards.preprocess import check_images
 
-__all__ = ["Reward", "ModelReward", "unique_prompts", "freeze", "quantize_uint8", "cast_keeping_norms_fp32"]
+__all__ = ["Reward", "ModelReward", "unique_prompts", "freeze", "to_uint8", "quantize_uint8", "cast_keeping_norms_fp32"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +35,18 @@ def freeze(module: nn.Module) -> nn.Module:
     return module
 
 
+def to_uint8(images: Tensor) -> Tensor:
+    """Float images in [0, 1] -> uint8 levels round(x * 255), clamped: the PIL image upstream scorers are given."""
+    return (images.float() * 255).round_().clamp_(0, 255).to(torch.uint8)
+
+
 def quantize_uint8(images: Tensor) -> Tensor:
     """Float images in [0, 1] -> float32 on uint8 levels: round(x * 255) / 255, clamped.
 
     Bit-for-bit what ToTensor gives for the PIL image that upstream scorers (HPSv2, DanceGRPO, Flow-GRPO, DDPO) score.
+    Idempotent: uint8 levels / 255 round back to the same levels, so images sent as uint8 score the same.
     """
-    return (images.float() * 255).round_().clamp_(0, 255).to(torch.uint8).float().div_(255)
+    return to_uint8(images).float().div_(255)
 
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d)
@@ -99,6 +105,11 @@ class Reward:
     @classmethod
     def validate(cls, options: dict[str, Any], setting: str) -> None:
         """Extra cheap checks beyond types (raise ConfigError)."""
+
+    @classmethod
+    def probe(cls, options: dict[str, Any], setting: str) -> None:
+        """Start-up check of the services the reward calls (rewards scored by a server): raise ConfigError if one
+        does not answer. Runs after `validate` and `files`."""
 
     # -- scoring ------------------------------------------------------------------------------------------------------
     @property

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from grpo.errors import ConfigError
-from grpo.rewards.base import ModelReward, unique_prompts
+from grpo.rewards.base import ModelReward, to_uint8, unique_prompts
 from grpo.rewards.hub import FileRef, hub_offline, is_local
 from grpo.rewards.openclip_loader import first_line
 from grpo.rewards.options import ModelOptions
@@ -110,8 +110,7 @@ class PickScoreReward(ModelReward):
 
     def preprocess(self, images: Tensor) -> Tensor:
         """CLIPImageProcessor on [B, 3, H, W] in [0, 1] -> pixel_values; uint8 levels (quantize) or 0-255 floats."""
-        x = images.float() * 255
-        x = x.round().clamp(0, 255).to(torch.uint8) if self.quantize else x
+        x = to_uint8(images) if self.quantize else images.float() * 255
         out = self.image_processor(images=x, return_tensors="pt")["pixel_values"]
         return out.to(device=images.device, dtype=torch.float32)
 

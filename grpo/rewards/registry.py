@@ -41,6 +41,8 @@ REGISTRY: dict[str, str] = {
     "tiny_world": "grpo.rewards.programmatic:TinyWorldReward",
     "jpeg_compressibility": "grpo.rewards.programmatic:JpegCompressibility",
     "jpeg_incompressibility": "grpo.rewards.programmatic:JpegIncompressibility",
+    "remote": "grpo.rewards.remote:RemoteReward",
+    "vlm_judge": "grpo.rewards.vlm_judge:VLMJudgeReward",
 }
 
 
@@ -137,9 +139,9 @@ def _entry(key: str) -> type[Reward] | None:
 def check_rewards(spec: dict[str, Any]) -> None:
     """Cheap start-up validation of a rewards spec; loads no model.
 
-    Checks reward names, option names, types and values, and that every model file exists locally or in the hub
-    cache (or may still be downloaded: HF_HUB_OFFLINE unset). Imports open_clip/transformers only for the rewards
-    that use them.
+    Checks reward names, option names, types and values, that every model file exists locally or in the hub
+    cache (or may still be downloaded: HF_HUB_OFFLINE unset), and that the servers of served rewards (remote,
+    vlm_judge) answer. Imports open_clip/transformers only for the rewards that use them.
 
     Raises:
         ConfigError: one line naming the setting, what is wrong and the fix (unknown names list the valid ones;
@@ -155,6 +157,7 @@ def check_rewards(spec: dict[str, Any]) -> None:
         cls.validate(options, setting)
         for ref in cls.files(options, setting):
             locate(ref, options.get("cache_dir"), download=False)
+        cls.probe(options, setting)
 
 
 def describe_rewards() -> list[str]:

@@ -58,16 +58,23 @@ def _npu_env_exports(tmp_path: Path) -> dict[str, str]:
     return {k: v for k, v in after.items() if before.get(k) != v and k not in HOST_PATHS and k != "_"}
 
 
+def fake_remote_tools(tmp_path: Path) -> Path:
+    """A folder with the fake `ssh` (answers the launcher's "ssh HOST hostname" check) and `pdsh`, to put first on
+    PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "ssh").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "pdsh").write_text(FAKE_PDSH)
+    for tool in ("ssh", "pdsh"):
+        (bin_dir / tool).chmod(0o755)
+    return bin_dir
+
+
 def test_every_npu_env_variable_reaches_the_ranks_of_every_node(tmp_path: Path):
     exported = _npu_env_exports(tmp_path)
     assert {"PYTORCH_NPU_ALLOC_CONF", "TASK_QUEUE_ENABLE", "CPU_AFFINITY_CONF", "HCCL_BUFFSIZE",
             "TOOLCHAIN_HOME"} <= exported.keys()
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "ssh").write_text("#!/bin/sh\nexit 0\n")  # the launcher's "ssh HOST hostname" check
-    (bin_dir / "pdsh").write_text(FAKE_PDSH)
-    for tool in ("ssh", "pdsh"):
-        (bin_dir / tool).chmod(0o755)
+    bin_dir = fake_remote_tools(tmp_path)
     (tmp_path / "rank.py").write_text(RANK_SCRIPT)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")

@@ -41,6 +41,10 @@ def _cases(tmp: Path) -> list[dict]:
     bad_yaml.write_text("max_steps: [1, 2\n")
     list_yaml = tmp / "list.yaml"
     list_yaml.write_text("- max_steps\n- 3\n")
+    dup_yaml = tmp / "dup.yaml"  # the preset with max_steps given twice: PyYAML would keep the last silently
+    dup_yaml.write_text(Path(LORA).read_text() + "max_steps: 7\n")
+    latin1_yaml = tmp / "latin1.yaml"
+    latin1_yaml.write_bytes(Path(LORA).read_bytes() + "# caf\xe9\n".encode("latin-1"))
     empty_prompts = tmp / "empty.txt"
     empty_prompts.write_text("# only a comment\n\n")
     binary_prompts = tmp / "binary.txt"
@@ -90,6 +94,8 @@ def _cases(tmp: Path) -> list[dict]:
         ("malformed YAML", ["--config", str(bad_yaml)], "config"),
         ("missing config", ["--config", str(tmp / "nope.yaml")], "config"),
         ("config not a mapping", ["--config", str(list_yaml)], "config"),
+        ("duplicate YAML key", ["--config", str(dup_yaml)], "config"),
+        ("non-UTF-8 config", ["--config", str(latin1_yaml)], "config"),
         ("unknown key", ["bogus=1"], "bogus"),
         ("unknown nested key", ["sampling.colour=red"], "sampling.colour"),
         ("wrong type (int)", ["max_steps=ten"], "max_steps"),
@@ -117,6 +123,27 @@ def _cases(tmp: Path) -> list[dict]:
         ("resume from another world size", [f"checkpoint.resume={other_world}"], "checkpoint.resume"),
         ("resume from another preset", [f"checkpoint.resume={other_preset}"], "checkpoint.resume"),
         ("resume from a garbled checkpoint", [f"checkpoint.resume={garbled_ckpt}"], "checkpoint.resume"),
+        # numbers: non-finite anywhere, then the ranges of betas, eps, eta, clip ranges and weights
+        ("infinite learning rate", ["optim.lr=inf"], "optim.lr"),
+        ("NaN eta", ["sampling.eta=nan"], "sampling.eta"),
+        ("NaN advantage clip", ["grpo.adv_clip=.nan"], "grpo.adv_clip"),
+        ("infinite reward weight", ["rewards={tiny_world: {weight: .inf}}"], "rewards.tiny_world.weight"),
+        ("beta above 1", ["optim.betas=[1.5, 0.999]"], "optim.betas"),
+        ("three betas", ["optim.betas=[0.9, 0.99, 0.999]"], "optim.betas"),
+        ("zero AdamW eps", ["optim.eps=0"], "optim.eps"),
+        ("negative weight decay", ["optim.weight_decay=-0.1"], "optim.weight_decay"),
+        ("negative warm-up", ["optim.warmup_steps=-1"], "optim.warmup_steps"),
+        ("zero gradient clip", ["optim.max_grad_norm=0"], "optim.max_grad_norm"),
+        ("negative eta", ["sampling.eta=-0.3"], "sampling.eta"),
+        ("ratio clip range of 1", ["grpo.clip_range=1"], "grpo.clip_range"),
+        ("zero ratio clip range", ["grpo.clip_range=0"], "grpo.clip_range"),
+        ("negative advantage clip", ["grpo.adv_clip=-5"], "grpo.adv_clip"),
+        ("negative KL weight", ["grpo.kl_coef=-0.1"], "grpo.kl_coef"),
+        ("zero LoRA alpha", ["lora.alpha=0"], "lora.alpha"),
+        ("LoRA dropout of 1", ["lora.dropout=1"], "lora.dropout"),
+        ("negative guidance", ["sampling.guidance=-1"], "sampling.guidance"),
+        ("timestep fraction above 1", ["grpo.timestep_fraction=1.5"], "grpo.timestep_fraction"),
+        ("negative profiled rank", ["profile.ranks=[-1]"], "profile.ranks"),
         ("keep no checkpoint", ["checkpoint.keep=0"], "checkpoint.keep"),
         ("EMA decay out of range", ["ema.decay=1.5"], "ema.decay"),
         ("zero comm timeout", ["faults.comm_timeout_s=0"], "faults.comm_timeout_s"),
@@ -173,8 +200,8 @@ def results(tmp_path_factory):
     return [(c, got[c["name"]], before[c["name"]], snapshot(Path(c["out"]))) for c in cases]
 
 
-def test_at_least_twenty_cases(results):
-    assert len(results) >= 20
+def test_at_least_forty_cases(results):
+    assert len(results) >= 40
 
 
 def test_each_bad_input_fails_with_one_line_naming_the_setting(results):

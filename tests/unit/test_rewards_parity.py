@@ -1,5 +1,8 @@
-"""Parity with the upstream scorers (uint8 inputs, processor configs, QuickGELU of local files) and one-line errors
-for broken reward files."""
+"""Parity with the upstream scorers' own code, with identical random weights at tiny sizes, at 1e-6 in float32: HPS
+against the hpsv2 package (requirements-test.txt), PickScore against transformers' CLIPModel + CLIPProcessor on PIL
+images, the aesthetic score against the LAION predictor's MLP and normalisation + open_clip's transform, CLIP score
+against open_clip's loader and transform. Also: QuickGELU of local files, processor configs, one-line errors for
+broken reward files."""
 
 from __future__ import annotations
 
@@ -7,9 +10,11 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torch import nn
 
 from grpo.errors import ConfigError
 from grpo.rewards import build_rewards
@@ -71,6 +76,10 @@ def test_pickscore_equals_clip_processor_on_pil(tiny_reward_spec) -> None:
                                atol=1e-6, rtol=0)
     off = build_rewards({"pickscore": {**spec, "quantize": False}}, "cpu")(x, prompts)[:, 0]
     assert (off - expected).abs().max() > 1e-6  # the float decode is a different input
+    # The README's score: logit_scale.exp() * cosine.
+    scaled = build_rewards({"pickscore": {**spec, "logit_scale": True}}, "cpu")(x, prompts)[:, 0]
+    torch.testing.assert_close(scaled, model.logit_scale.exp() * expected, atol=1e-6 * model.logit_scale.exp().item(),
+                               rtol=0)
 
 
 def test_quantize_option_rounds_inputs_of_model_rewards_only(tiny_reward_spec) -> None:
@@ -152,22 +161,105 @@ def test_pickscore_loads_strictly(tiny_reward_spec, tmp_path, change) -> None:
     assert "\n" not in str(err.value)
 
 
-def test_open_clip_rewards_equal_open_clip_on_pil(tiny_reward_spec) -> None:
-    """clip_score and the aesthetic backbone: open_clip's own loader and transform on PIL images (the reference)."""
+def test_clip_score_equals_open_clip_on_pil(tiny_reward_spec) -> None:
+    """open_clip's own loader, transform (on PIL images) and tokenizer; CLIP score = cosine of the normalised
+    embeddings (DanceGRPO), times `scale` (100: torchmetrics' CLIPScore before its clamp at 0)."""
     import open_clip
-
-    from grpo.rewards.aesthetic import MLP_FILE, AestheticMLP
 
     x, prompts = images(len(PROMPTS), 64, 96, seed=1), list(PROMPTS)
     name = "local-dir:" + tiny_reward_spec["clip_score"]["pretrained"]
     model, _, preprocess = open_clip.create_model_and_transforms(name)
-    model.eval()
-    mlp = AestheticMLP.from_state_dict(
-        torch.load(Path(tiny_reward_spec["aesthetic"]["mlp_repo"]) / MLP_FILE, weights_only=True), "test").eval()
     with torch.no_grad():
-        img = model.encode_image(torch.stack([preprocess(p) for p in _pil(x)]), normalize=True)
+        img = model.eval().encode_image(torch.stack([preprocess(p) for p in _pil(x)]), normalize=True)
         txt = model.encode_text(open_clip.get_tokenizer(name)(prompts), normalize=True)
-        aesthetic = mlp(img).squeeze(-1)
-    rewards = build_rewards({k: tiny_reward_spec[k] for k in ("clip_score", "aesthetic")}, "cpu")(x, prompts)
-    torch.testing.assert_close(rewards[:, 0], (img * txt).sum(-1), atol=1e-6, rtol=0)
-    torch.testing.assert_close(rewards[:, 1], aesthetic, atol=1e-6, rtol=0)
+    cosine = (img * txt).sum(-1)
+    ours = build_rewards({"clip_score": tiny_reward_spec["clip_score"]}, "cpu")(x, prompts)[:, 0]
+    torch.testing.assert_close(ours, cosine, atol=1e-6, rtol=0)
+    scaled = build_rewards({"clip_score": {**tiny_reward_spec["clip_score"], "scale": 100.0}}, "cpu")(x, prompts)
+    torch.testing.assert_close(scaled[:, 0], 100 * cosine, atol=1e-4, rtol=0)
+
+
+class LaionMLP(nn.Module):
+    """The MLP of improved-aesthetic-predictor's simple_inference.py (a pl.LightningModule there), layers verbatim."""
+
+    def __init__(self, input_size: int) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.layers = nn.Sequential(
+            nn.Linear(self.input_size, 1024),
+            nn.Dropout(0.2),
+            nn.Linear(1024, 128),
+            nn.Dropout(0.2),
+            nn.Linear(128, 64),
+            nn.Dropout(0.1),
+            nn.Linear(64, 16),
+            nn.Linear(16, 1),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def laion_normalized(a: np.ndarray, axis: int = -1, order: int = 2) -> np.ndarray:
+    """simple_inference.py's `normalized` (numpy L2 normalisation, zero vectors left alone)."""
+    l2 = np.atleast_1d(np.linalg.norm(a, order, axis))
+    l2[l2 == 0] = 1
+    return a / np.expand_dims(l2, axis)
+
+
+def test_aesthetic_equals_the_laion_predictor(tiny_reward_spec, tmp_path) -> None:
+    """simple_inference.py: the CLIP transform on the PIL image, encode_image, numpy-normalise, MLP; its MLP with
+    random weights on the tiny CLIP's 16-d embeddings, loaded by the reward from its .pth state dict."""
+    import open_clip
+
+    from grpo.rewards.aesthetic import MLP_FILE
+
+    torch.manual_seed(7)
+    head = LaionMLP(16).eval()
+    (tmp_path / "mlp").mkdir()
+    torch.save(head.state_dict(), tmp_path / "mlp" / MLP_FILE)
+    spec = {**tiny_reward_spec["aesthetic"], "mlp_repo": str(tmp_path / "mlp")}
+    x, prompts = images(len(PROMPTS), 64, 96, seed=1), list(PROMPTS)
+    model, _, preprocess = open_clip.create_model_and_transforms("local-dir:" + spec["pretrained"])
+    with torch.no_grad():
+        features = model.eval().encode_image(torch.stack([preprocess(p) for p in _pil(x)]))
+        expected = head(torch.from_numpy(laion_normalized(features.numpy())).float()).squeeze(-1)
+    reward = build_rewards({"aesthetic": spec}, "cpu")["aesthetic"]
+    torch.testing.assert_close(reward(x, prompts), expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(reward(x, ["x"] * len(x)), expected, atol=1e-6, rtol=0)  # prompt-free
+
+
+def test_hps_equals_the_hpsv2_package(tiny_reward_spec, hpsv2_open_clip) -> None:
+    """hpsv2/img_score.py score(): create_model_and_transforms with its arguments, the checkpoint's state_dict, its
+    preprocess_val on the PIL image, its tokenizer, diag(image_features @ text_features.T). Only the architecture
+    differs: the tiny config for ViT-H-14, built without the LAION weights that the HPS state dict overwrites (its
+    autocast is a no-op without CUDA). With quantize: false, its transform after ToTensor on the float images."""
+    from torchvision.transforms import Compose, ToTensor
+
+    oc, spec = hpsv2_open_clip, tiny_reward_spec["hpsv2"]
+    oc.add_model_config(spec["model_config"])
+    model, _, preprocess_val = oc.create_model_and_transforms(
+        spec["model"], None, precision="amp", device="cpu", jit=False, force_quick_gelu=False,
+        force_custom_text=False, force_patch_dropout=False, force_image_size=None, pretrained_image=False,
+        image_mean=None, image_std=None, light_augmentation=True, aug_cfg={}, output_dict=True,
+        with_score_predictor=False, with_region_predictor=False)
+    checkpoint = torch.load(Path(spec["repo"]) / "HPS_v2.1_compressed.pt", map_location="cpu")
+    model.load_state_dict(checkpoint["state_dict"])
+    model.eval()
+    tokenizer = oc.get_tokenizer(spec["model"])
+    stages = preprocess_val.transforms
+    after_to_tensor = Compose(stages[[isinstance(t, ToTensor) for t in stages].index(True) + 1 :])
+
+    def hpsv2_score(image: torch.Tensor, prompt: str) -> torch.Tensor:
+        with torch.no_grad():
+            outputs = model(image.unsqueeze(0), tokenizer([prompt]))
+            return torch.diagonal(outputs["image_features"] @ outputs["text_features"].T)[0]
+
+    rewards = build_rewards({"hpsv2": spec, "hpsv2@float": {**spec, "quantize": False}}, "cpu")
+    for h, w, seed in ((64, 96, 1), (97, 64, 2)):  # landscape and portrait: padded on either axis
+        x, prompts = images(3, h, w, seed=seed), list(PROMPTS[:3])  # one forward per image upstream: keep it short
+        expected = torch.stack([hpsv2_score(preprocess_val(p), t) for p, t in zip(_pil(x), prompts)])
+        unquantized = torch.stack([hpsv2_score(after_to_tensor(i), t) for i, t in zip(x, prompts)])
+        ours = rewards(x, prompts)
+        torch.testing.assert_close(ours[:, 0], expected, atol=1e-6, rtol=0)
+        torch.testing.assert_close(ours[:, 1], unquantized, atol=1e-6, rtol=0)

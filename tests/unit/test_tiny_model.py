@@ -120,3 +120,16 @@ def test_builder_makes_a_loadable_random_model(tmp_path):
     a = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")
     b = load_file(tmp_path / "again" / "transformer" / "diffusion_pytorch_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    # Continuing that build (--init-from) trains only the transformer and keeps every other file byte for byte,
+    # the tokenizers included (a save_pretrained round trip would drop the T5 tokenizer's Lowercase normalizer).
+    more = tmp_path / "more"
+    build_tiny.build(more, transformer_steps=1, transformer_batch=2, images_per_prompt=1, seed=1, eval_seeds=0,
+                     init_from=out)
+    kept = [f.relative_to(out) for f in out.rglob("*") if f.is_file() and f.parent.name != "transformer"]
+    assert len(kept) > 8 and all((more / f).read_bytes() == (out / f).read_bytes() for f in kept
+                                 if f.name != "build_info.json")
+    c = load_file(more / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert c.keys() == a.keys() and not all(torch.equal(a[k], c[k]) for k in a)
+    chain = json.loads((more / "build_info.json").read_text())
+    assert chain["init_from"] == info and chain["transformer_steps"] == 1 and chain["vae_steps"] == 0

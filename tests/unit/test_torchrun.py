@@ -9,17 +9,20 @@ import sys
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from tests import ROOT
 from tools import torchrun as tr
 from tools.launch import free_port, launch_env
 
+# A stand-in worker: its mode is the last argument's last path part (exit2, exit3, save, stuck; under launch/*.sh the
+# output_dir=... override, which is all the recipe's command line carries through to every node).
 WORKER = """
 import os, signal, sys, time
-rank, mode = int(os.environ["RANK"]), sys.argv[1]
-if mode == "exit":
-    if rank == 0:
-        print("error: x: bad", file=sys.stderr)
-    sys.exit(2)
+from grpo.errors import rank_exit
+rank, mode = int(os.environ["RANK"]), os.path.basename(sys.argv[-1].split("=")[-1])
+if mode.startswith("exit"):
+    sys.exit(rank_exit("error: x: bad", int(mode[4:])))  # what the recipe does on a bad input every rank finds
 got = []
 signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
 os.write(1, b"ready\\n")  # one write: the two workers share the pipe
@@ -32,10 +35,10 @@ print(f"rank {rank} saved", file=sys.stderr, flush=True)
 """
 
 
-def _start(tmp_path, mode, env=None):
+def _start(tmp_path, mode, env=None, launcher="tools.torchrun"):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    cmd = [sys.executable, "-m", "tools.torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
+    cmd = [sys.executable, "-m", launcher, "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(script), mode]
     return subprocess.Popen(cmd, cwd=ROOT, env=launch_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
@@ -65,11 +68,45 @@ def test_bad_grace_period_exits_2(monkeypatch, capsys):
 
 
 def test_worker_exit_2_is_the_launchers_with_one_line(tmp_path):
-    proc = _start(tmp_path, "exit")
+    proc = _start(tmp_path, "exit2")
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2, err
     assert err.strip().splitlines()[-1] == "error: x: bad" and err.count("error:") == 1
     assert "Traceback" not in err and "ChildFailedError" not in err
+
+
+def test_rank_exit_names_the_line_as_a_plain_torchruns_root_cause(tmp_path, monkeypatch, capsys):
+    """Rank 0 prints the line once and leaves it in torchelastic's error file, which torchrun's ChildFailedError
+    report shows as the root cause; another rank prints and writes nothing."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from grpo.errors import rank_exit
+
+    files = {rank: tmp_path / f"error{rank}.json" for rank in (0, 1)}
+    for rank, path in files.items():
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+        assert rank_exit("error: optim.lr: must be > 0, got 0.0; e.g. 3e-4", 2) == 2
+    assert capsys.readouterr().err == "error: optim.lr: must be > 0, got 0.0; e.g. 3e-4\n"
+    assert not files[1].exists()
+    failures = {r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=2, error_file=str(files[r])) for r in files}
+    root_rank, root = ChildFailedError("recipe", failures).get_first_failure()
+    assert root_rank == 0
+    report = ChildFailedError("recipe", failures).format_msg()
+    assert "traceback : error: optim.lr: must be > 0, got 0.0; e.g. 3e-4 (exit 2: bad input;" in report
+    assert report.count("optim.lr") == 1
+
+
+@pytest.mark.slow
+def test_plain_torchrun_exits_1_with_the_line_once_and_as_root_cause(tmp_path):
+    """What a user's direct torchrun does with a rank's exit 2 (why the launchers use tools.torchrun): exit 1 and
+    torchrun's traceback, but the error line is printed once and its report's root cause is that line."""
+    proc = _start(tmp_path, "exit2", launcher="torch.distributed.run")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == ["error: x: bad"]
+    root = err.split("Root Cause (first observed failure):")[1]
+    assert "exitcode  : 2" in root and "traceback : error: x: bad (exit 2: bad input;" in root
 
 
 def test_sigterm_reaches_the_workers_and_is_waited_for(tmp_path):
@@ -90,3 +127,17 @@ def test_workers_still_running_after_the_grace_period_are_killed(tmp_path):
     assert proc.returncode == 1, err
     assert time.monotonic() - start < 60
     assert "still running 1s after the stop signal: killed" in err and "Traceback" not in err
+
+
+def test_deepspeed_launchers_workers_and_exit_code():
+    """tools/deepspeed_run.py (launch/multinode.sh hostfile form): only a ``python -m deepspeed.launcher.launch``
+    process's children are workers (pdsh's command line carries the same words); 0, 2, 3 pass, the rest is 1."""
+    from tools.deepspeed_run import exit_code, is_launch
+
+    assert is_launch(["/usr/bin/python3", "-u", "-m", "deepspeed.launcher.launch", "--world_info=e30="])
+    assert not is_launch(["pdsh", "-S", "-f", "1024", "-w", "a,b", "cd /x;", "python", "-u", "-m",
+                          "deepspeed.launcher.launch"])
+    assert not is_launch(["python", "-m", "deepspeed.launcher.runner", "--hostfile", "h"])
+    assert [exit_code(c, False)[0] for c in (0, 2, 3, 1, 241, -15)] == [0, 2, 3, 1, 1, 1]
+    assert exit_code(241, False)[1].startswith("[launch] the DeepSpeed launcher exited with code 241")
+    assert exit_code(0, True) == (1, None)  # killed after the grace period: its own line was printed

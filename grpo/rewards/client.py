@@ -1,0 +1,130 @@
+"""HTTP of the rewards that a server scores (`remote`, `vlm_judge`): their shared options, requests with a timeout and
+retries, start-up probes, one-line errors.
+
+A request is retried after a connection error, a timeout, HTTP 429 or 5xx (a server starting, overloaded or
+restarting), with pauses of backoff, 2 x backoff, 4 x backoff ... seconds; any other HTTP error is the caller's
+mistake and is not retried. When every attempt failed, scoring raises ServiceError: one line naming the reward, the
+URL, the attempts and the last error. The training step then fails like any other rank error (torchrun stops the
+job); checkpoints let it resume once the server is back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+
+from grpo.errors import ConfigError
+from grpo.rewards.options import CommonOptions
+from grpo.schema import setting
+
+__all__ = ["ServiceOptions", "ServiceError", "Service", "answer_error"]
+
+logger = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 10.0  # the start-up check must answer fast: a server that is up replies in milliseconds
+
+
+@dataclass(kw_only=True)
+class ServiceOptions(CommonOptions):
+    """Options of every reward scored by a server."""
+
+    url: str = setting(help="base URL of the server, e.g. http://10.0.0.5:8000")
+    timeout: float = setting(120.0, help="seconds to wait for one answer before retrying (a batch's scoring)")
+    retries: int = setting(3, help="further attempts after a connection error, timeout, HTTP 429 or 5xx")
+    backoff: float = setting(1.0, help="seconds before the first retry; doubles for each further one")
+
+
+class ServiceError(RuntimeError):
+    """A served reward got no usable answer after every attempt (one line)."""
+
+
+def answer_error(response: requests.Response) -> str:
+    """The server's one-line error: a JSON body's `error` (the reward server's) or `error.message` (OpenAI's), else
+    the body's first line."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = response.text
+    error = body.get("error", body) if isinstance(body, dict) else body
+    text = str(error.get("message", error) if isinstance(error, dict) else error)
+    lines = text.strip().splitlines()
+    return f"HTTP {response.status_code}" + (f": {lines[0][:300]}" if lines else "")
+
+
+def _check_url(url: str, setting_name: str) -> str:
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"{setting_name}.url: {url!r} is not an http(s) URL; e.g. http://10.0.0.5:8000")
+    return url.rstrip("/")
+
+
+class Service:
+    """One server's base URL with the reward's timeout and retry options.
+
+    Args:
+        options: validated ServiceOptions (url, timeout, retries, backoff).
+        setting_name: "rewards.<name>", the start of every error.
+        headers: sent with every request (e.g. an API key).
+    """
+
+    def __init__(self, options: dict[str, Any], setting_name: str, headers: dict[str, str] | None = None) -> None:
+        self.url = _check_url(options["url"], setting_name)
+        self.timeout = options["timeout"]
+        self.retries = options["retries"]
+        self.backoff = options["backoff"]
+        self.setting = setting_name
+        self.headers = headers or {}
+
+    @classmethod
+    def check(cls, options: dict[str, Any], setting_name: str) -> None:
+        """Option values a request needs (raise ConfigError)."""
+        _check_url(options["url"], setting_name)
+        for key in ("timeout", "backoff"):
+            if not options[key] > 0:
+                raise ConfigError(f"{setting_name}.{key}: {options[key]}; use a positive number of seconds")
+        if options["retries"] < 0:
+            raise ConfigError(f"{setting_name}.retries: {options['retries']}; use 0 (no retry) or more")
+
+    def probe(self, path: str, what: str) -> Any:
+        """GET `path` once with a short timeout; its JSON, or a ConfigError saying the server is not up."""
+        url = self.url + path
+        try:
+            response = requests.get(url, headers=self.headers, timeout=min(self.timeout, PROBE_TIMEOUT_S))
+        except requests.RequestException as err:
+            raise ConfigError(f"{self.setting}.url: no answer from {url} ({type(err).__name__}); start {what} "
+                              f"there or fix the url") from None
+        if response.status_code != 200:
+            raise ConfigError(f"{self.setting}.url: {url} answered {answer_error(response)}; is {what} running there?")
+        try:
+            return response.json()
+        except ValueError:
+            raise ConfigError(f"{self.setting}.url: {url} did not answer JSON; is {what} running there?") from None
+
+    def post(self, path: str, **kwargs: Any) -> requests.Response:
+        """POST with retries; the successful response, or ServiceError after the last attempt."""
+        url = self.url + path
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                pause = self.backoff * 2 ** (attempt - 1)
+                logger.warning("%s: %s failed (%s); retry %d/%d in %.1f s", self.setting, url, last, attempt,
+                               self.retries, pause)
+                time.sleep(pause)
+            try:
+                response = requests.post(url, headers=self.headers, timeout=self.timeout, **kwargs)
+            except requests.Timeout:
+                last = f"no answer within timeout {self.timeout:g} s"
+                continue
+            except requests.RequestException as err:
+                last = type(err).__name__
+                continue
+            if response.status_code == 200:
+                return response
+            last = answer_error(response)
+            if response.status_code != 429 and response.status_code < 500:
+                break  # the request itself is wrong: the same request would fail again
+        attempts = f"{attempt + 1} attempt{'s' if attempt else ''}"
+        raise ServiceError(f"{self.setting}: {url} failed after {attempts}: {last}")

@@ -1,0 +1,93 @@
+"""A stand-in for a VLM served by vLLM or SGLang: the OpenAI chat completions API, a judge whose answer depends on the
+request. Run as a process: python -m tests.unit.judge_server --port PORT
+
+    GET  /v1/models             {"object": "list", "data": [{"id": "tiny-judge", "object": "model"}]}
+    POST /v1/chat/completions   {"choices": [{"message": {"role": "assistant", "content": ANSWER}, ...}], ...}
+
+The request must look like what vLLM accepts for a vision model (model id, messages whose user content has one PNG
+data URL image_url part and one text part, max_tokens, temperature); anything else is HTTP 400 with an OpenAI-style
+error. The answer (see `rating`): "Score: S" with S = 10 x the mean of the image channel named by the first colour
+word of the text (red, green or blue), 2 decimals, so it checks the image's pixels, its channel order and that the
+prompt reached the text; a text containing "ramble" gets a sentence instead of the format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import re
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+from PIL import Image
+
+MODEL = "tiny-judge"
+CHANNELS = {"red": 0, "green": 1, "blue": 2}
+
+
+def rating(pixels: np.ndarray, text: str) -> str:
+    """The judge's answer for uint8 [H, W, 3] pixels and the user text."""
+    if "ramble" in text:
+        return "What a lovely picture, I would give it a high mark."
+    colour = re.search(r"\b(red|green|blue)\b", text)
+    channel = CHANNELS[colour.group(1)] if colour else 0
+    return f"Score: {10 * pixels[..., channel].mean() / 255:.2f}"
+
+
+def _parse(body: dict) -> tuple[np.ndarray, str]:
+    """(pixels, user text) of a chat request; ValueError naming what is wrong."""
+    if body.get("model") != MODEL:
+        raise ValueError(f"The model `{body.get('model')}` does not exist.")
+    if not isinstance(body.get("max_tokens"), int) or not isinstance(body.get("temperature"), (int, float)):
+        raise ValueError("max_tokens (int) and temperature are expected")
+    users = [m for m in body.get("messages", []) if m.get("role") == "user"]
+    if len(users) != 1 or not isinstance(users[0].get("content"), list):
+        raise ValueError("expected one user message with a list of content parts")
+    parts = {p.get("type"): p for p in users[0]["content"]}
+    url = parts.get("image_url", {}).get("image_url", {}).get("url", "")
+    if "text" not in parts or not url.startswith("data:image/png;base64,"):
+        raise ValueError("expected an image_url part (PNG data URL) and a text part")
+    pixels = np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB"))
+    return pixels, parts["text"]["text"]
+
+
+class Handler(BaseHTTPRequestHandler):
+    def _send(self, status: int, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802 -- http.server's naming
+        if self.path == "/v1/models":
+            self._send(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+        else:
+            self._send(404, {"error": {"message": f"no route {self.path}", "type": "NotFoundError"}})
+
+    def do_POST(self) -> None:  # noqa: N802
+        if self.path != "/v1/chat/completions":
+            return self._send(404, {"error": {"message": f"no route {self.path}", "type": "NotFoundError"}})
+        try:
+            pixels, text = _parse(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        except (ValueError, KeyError, OSError) as err:
+            return self._send(400, {"error": {"message": str(err), "type": "BadRequestError", "code": 400}})
+        answer = rating(pixels, text)
+        self._send(200, {"id": "chatcmpl-0", "object": "chat.completion", "model": MODEL, "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}]})
+
+    def log_message(self, *args) -> None:  # quiet: the tests read answers, not access logs
+        pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    ThreadingHTTPServer(("127.0.0.1", parser.parse_args().port), Handler).serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""The vlm_judge reward against a local server process speaking the OpenAI chat completions API
+(tests/unit/judge_server.py: its answer depends on the image's pixels and the prompt)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import requests
+import torch
+
+from grpo.errors import ConfigError
+from grpo.rewards import build_rewards, check_rewards
+from grpo.rewards.client import ServiceError
+from grpo.rewards.vlm_judge import MalformedAnswer
+from tools.launch import free_port
+
+from tests import ROOT
+from tests.unit.reward_inputs import images
+
+
+@pytest.fixture(scope="module")
+def judge_url():
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "tests.unit.judge_server", "--port", str(port)], cwd=ROOT)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                requests.get(f"{url}/models", timeout=1)
+                break
+            except requests.RequestException:
+                assert server.poll() is None and time.monotonic() < deadline, "the judge server did not start"
+                time.sleep(0.05)
+        yield url
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def _judge(url: str, **options) -> dict:
+    return {"vlm_judge": {"url": url, "model": "tiny-judge", "retries": 0, **options}}
+
+
+def _expected(x: torch.Tensor, channels: list[int]) -> torch.Tensor:
+    """The fixture judge's rule on the uint8 levels the reward sends: 10 x mean of one channel, 2 decimals."""
+    u8 = (x * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    return torch.tensor([float(f"{10 * np.asarray(a)[..., c].mean() / 255:.2f}") for a, c in zip(u8, channels)])
+
+
+def test_scores_are_the_judges_parsed_answers(judge_url) -> None:
+    x = images(5, 24, 40, seed=4)
+    prompts = ["a red circle", "a green square", "a blue sky", "a cat on a green lawn", "a red fox"]
+    reward = build_rewards(_judge(judge_url, concurrency=3, batch_size=2), "cpu")["vlm_judge"]
+    torch.testing.assert_close(reward(x, prompts), _expected(x, [0, 1, 2, 1, 0]), atol=0, rtol=0)
+    # The prompt reaches the judge through the template, the system message travels with it.
+    custom = build_rewards(_judge(judge_url, template="Prompt: {prompt}. Rate it.", system="Be strict."), "cpu")
+    torch.testing.assert_close(custom(x[:2], ["a blue car", "a green car"])[:, 0], _expected(x[:2], [2, 1]))
+
+
+def test_malformed_answers(judge_url) -> None:
+    x, prompts = images(3, 16, 16, seed=5), ["a red circle", "please ramble", "a blue sky"]
+    strict = build_rewards(_judge(judge_url), "cpu")
+    with pytest.raises(MalformedAnswer) as err:
+        strict(x, prompts)
+    msg = str(err.value)
+    assert msg.startswith("rewards.vlm_judge: the judge answered 'What a lovely picture, I would give it a high "
+                          "mark.', expected a whole answer matching 'Score: (-?\\\\d+(?:\\\\.\\\\d+)?)' with a score "
+                          "in [0, 10]"), msg
+    assert "\n" not in msg
+    # A score outside [min_score, max_score] is malformed too.
+    with pytest.raises(MalformedAnswer, match=r"with a score in \[0, 1\]"):
+        build_rewards(_judge(judge_url, max_score=1.0), "cpu")(torch.ones(1, 3, 8, 8), ["a red circle"])
+    lenient = build_rewards(_judge(judge_url, on_malformed="nan"), "cpu")(x, prompts)[:, 0]
+    assert torch.isnan(lenient[1]) and torch.equal(lenient[[0, 2]], _expected(x[[0, 2]], [0, 2]))
+
+
+def test_start_up_checks_and_request_errors(judge_url, monkeypatch) -> None:
+    check_rewards(_judge(judge_url))
+    with pytest.raises(ConfigError, match=r"^rewards\.vlm_judge\.model: .* serves tiny-judge, not 'qwen'; use its id"):
+        check_rewards(_judge(judge_url, model="qwen"))
+    down = f"http://127.0.0.1:{free_port()}/v1"
+    with pytest.raises(ConfigError, match=rf"^rewards\.vlm_judge\.url: no answer from {down}/models"):
+        check_rewards(_judge(down))
+    bad = [({"template": "Rate it."}, r"template: no \{prompt\} placeholder"),
+           ({"template": "{prompt} as {json}"}, r"template: only \{prompt\} may be in braces"),
+           ({"answer": "Score: \\d+"}, r"answer: needs a group"),
+           ({"answer": "Score: (\\d+"}, r"answer: not a regular expression"),
+           ({"min_score": 5.0, "max_score": 1.0}, r"min_score: 5.0 must be below max_score 1.0"),
+           ({"on_malformed": "skip"}, r"on_malformed"),
+           ({"api_key_env": "GRPO_TEST_NO_SUCH_KEY"}, r"api_key_env: the environment variable GRPO_TEST_NO_SUCH_KEY")]
+    monkeypatch.delenv("GRPO_TEST_NO_SUCH_KEY", raising=False)
+    for options, pattern in bad:
+        with pytest.raises(ConfigError, match=rf"^rewards\.vlm_judge\.{pattern}"):
+            check_rewards(_judge(judge_url, **options))
+    # A request the server refuses (HTTP 400) is not retried and ends in one line with the server's message.
+    reward = build_rewards(_judge(judge_url, retries=3), "cpu")["vlm_judge"]
+    reward.options = {**reward.options, "model": "other"}
+    with pytest.raises(ServiceError, match=r"^rewards\.vlm_judge: .*/chat/completions failed after 1 attempt: HTTP "
+                                           r"400: The model `other` does not exist\.$"):
+        reward(images(1, 8, 8), ["a red circle"])
