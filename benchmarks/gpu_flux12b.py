@@ -3,6 +3,7 @@ peak memory against the planner's prediction (tools/plan.py).
 
     python benchmarks/gpu_flux12b.py                       # one GPU; sized for an H200 (141 GB), < 8 minutes
     python benchmarks/gpu_flux12b.py --smoke               # the tiny config on the CPU: tests the script only
+    python benchmarks/gpu_flux12b.py --compile             # the blocks compiled (model.compile), compile time apart
 
 The transformer has FLUX.1-dev's config (11.9 B parameters, tools/flux_configs.json) with random bf16 weights,
 built directly on the GPU; it goes through the recipe's own path: LoRA (rank 128 on to_q/k/v/out, the flux1_dev
@@ -60,6 +61,7 @@ def recipe_config(args):
         f"sampling.resolution={args.resolution}", f"sampling.num_steps={args.steps}",
         f"data.max_sequence_length={args.text_tokens}", "rewards={tiny_world: 1.0}", "data.eval_prompts=null",
         f"deepspeed.config={ROOT / 'ds_configs/zero3.json'}", "model.gradient_checkpointing=true",
+        f"model.compile={str(args.compile).lower()}",
     ])
 
 
@@ -71,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-tokens", type=int, default=512, help="T5 tokens (FLUX.1-dev: 512)")
     parser.add_argument("--iterations", type=int, default=2, help="the last one is reported (the first warms up)")
     parser.add_argument("--smoke", action="store_true", help="tiny config on the CPU (a test of the script)")
+    parser.add_argument("--compile", action="store_true",
+                        help="model.compile: the blocks compiled (regional); compile time is reported apart")
     args = parser.parse_args(argv)
     if args.smoke:
         args.batch, args.steps, args.resolution, args.text_tokens, args.iterations = 2, 3, 64, 32, 1
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from grpo import engine as eng
     from grpo.layout import derive_layout
     from grpo.inputs import load_ds_config
-    from grpo.flux import make_conditioning, pack
+    from grpo.flux import compile_seconds, make_conditioning, pack
     from grpo.loss import grpo_loss
     from grpo.rollout import SDEParams, sample, transition
     from grpo.sde import shifted_sigmas
@@ -145,8 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         out["traj"] = traj
         return out
 
+    compiling = compile_seconds()
     for _ in range(args.iterations):
         result = iteration()
+    compile_s = compile_seconds() - compiling  # in the first (warm-up) iteration with --compile
     traj = result.pop("traj")
 
     # FLOPs: one rollout forward, one update transition (with its recompute), counted once each.
@@ -166,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                      transformer_config=tcfg, vae_config=None)
     print(f"FLUX.1-dev-sized LoRA GRPO iteration on {device} ({n_params / 1e9:.2f} B params, {n_train / 1e6:.1f} M "
           f"trainable, {dtype}); {args.batch} images x {args.steps} steps at {args.resolution}px, "
-          f"{len(trained)} trained transitions; engine setup {setup_s:.1f} s")
+          f"{len(trained)} trained transitions; engine setup {setup_s:.1f} s; model.compile {args.compile} "
+          f"(compile time {compile_s:.1f} s, apart)")
     print(f"  rollout {result['rollout_s']:.2f} s, update {result['update_s']:.2f} s: "
           f"{total_s / args.batch:.3f} s per image")
     print(f"  matmul rate {rate / 1e12:.1f} TFLOP/s; model FLOPs {model_flops / 1e12:.1f} T, executed "

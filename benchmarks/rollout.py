@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -55,23 +56,18 @@ def _sigmas(pipe, steps: int, latent: int) -> torch.Tensor:
     return dynamic_sigmas(steps, (latent // 2) ** 2, dict(pipe.scheduler.config))
 
 
-def single_process(args, device: torch.device) -> dict:
-    from diffusers import FluxPipeline
-
+def samplers(pipe, args, tcfg: dict, device: torch.device):
+    """(ours, diffusers): rollouts of `batch` images with pipe.transformer, returning images (or x0 latents)."""
     from grpo.flux import decode, make_conditioning
     from grpo.rollout import SDEParams, sample
 
-    tcfg = transformer_config(args.preset)
-    transformer = build_transformer(tcfg).to(device)
-    pipe = FluxPipeline.from_pretrained(str(TINY), transformer=transformer, torch_dtype=torch.float32).to(device)
-    pipe.set_progress_bar_config(disable=True)
     vsf = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
 
     def ours(batch: int, with_decode: bool):
         init, embeds, pooled, latent = _inputs(tcfg, batch, args.resolution, args.text_tokens, device)
         cond = make_conditioning(embeds, pooled, latent, 3.5, tcfg["guidance_embeds"], device, torch.float32)
         gens = [torch.Generator().manual_seed(i) for i in range(batch)]
-        traj = sample(transformer, cond, init, _sigmas(pipe, args.steps, latent), SDEParams(0.7, "dance"), gens)
+        traj = sample(pipe.transformer, cond, init, _sigmas(pipe, args.steps, latent), SDEParams(0.7, "dance"), gens)
         return decode(pipe.vae, traj.x0, args.resolution, vsf) if with_decode else traj.x0
 
     def diffusers(batch: int, with_decode: bool):
@@ -79,6 +75,29 @@ def single_process(args, device: torch.device) -> dict:
         return pipe(prompt_embeds=embeds, pooled_prompt_embeds=pooled, latents=init, height=args.resolution,
                     width=args.resolution, num_inference_steps=args.steps, guidance_scale=3.5,
                     output_type="pt" if with_decode else "latent").images
+
+    return ours, diffusers
+
+
+def pipeline(tcfg: dict, device: torch.device, compiled: bool = False):
+    """FluxPipeline around a seeded random transformer of the preset (the same weights on every call), its blocks
+    compiled (model.compile's regional compilation) or not."""
+    from diffusers import FluxPipeline
+
+    from grpo.flux import compile_blocks
+
+    transformer = build_transformer(tcfg).to(device)
+    compile_blocks(transformer, compiled)
+    pipe = FluxPipeline.from_pretrained(str(TINY), transformer=transformer, torch_dtype=torch.float32).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def single_process(args, device: torch.device) -> dict:
+    tcfg = transformer_config(args.preset)
+    pipe = pipeline(tcfg, device)
+    transformer = pipe.transformer
+    ours, diffusers = samplers(pipe, args, tcfg, device)
 
     inside = [0.0]  # seconds spent inside the transformer's forward
 
@@ -132,6 +151,40 @@ def single_process(args, device: torch.device) -> dict:
             "params": sum(p.numel() for p in transformer.parameters())}
 
 
+def compiled(args, device: torch.device) -> dict:
+    """model.compile's rollout against the eager one (same weights, same noise: the samples must agree) and against
+    FluxPipeline around a transformer compiled the same way. Interleaved rounds, medians; compile time apart."""
+    from grpo.flux import compile_seconds
+
+    tcfg = transformer_config(args.preset)
+    ours_eager, _ = samplers(pipeline(tcfg, device), args, tcfg, device)
+    ours_compiled, diffusers_compiled = samplers(pipeline(tcfg, device, compiled=True), args, tcfg, device)
+
+    def timed(fn) -> tuple[float, torch.Tensor]:
+        sync(device)
+        t = time.perf_counter()
+        with torch.no_grad():
+            x0 = fn(args.batch, False)
+        sync(device)
+        return time.perf_counter() - t, x0
+
+    compiling = compile_seconds()
+    _, x0_compiled = timed(ours_compiled)  # compiles the blocks (no-grad graphs)
+    timed(diffusers_compiled), timed(ours_eager)  # warm-up
+    compile_s = compile_seconds() - compiling
+    rounds = {"eager": [], "compiled": [], "diffusers compiled": []}
+    for _ in range(args.repeats):
+        for key, fn in (("eager", ours_eager), ("compiled", ours_compiled), ("diffusers compiled", diffusers_compiled)):
+            t, x0 = timed(fn)
+            rounds[key].append(t)
+            if key == "eager":
+                x0_eager = x0
+    med = lambda a, b: statistics.median(x / y for x, y in zip(rounds[a], rounds[b]))  # noqa: E731
+    return {"speedup": med("eager", "compiled"), "vs_diffusers": med("diffusers compiled", "compiled"),
+            "max_abs_diff": (x0_compiled - x0_eager).abs().max().item(), "compile_s": compile_s,
+            "images_per_s": {k: args.batch / statistics.median(v) for k, v in rounds.items()}}
+
+
 def worker_zero3(args, out: Path) -> None:
     """2 processes: the same rollout through a ZeRO-3 engine, gathered once (unwrap) vs layer-wise hooks."""
     import torch.distributed as dist
@@ -181,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_args(parser, repeats=5, smoke_steps=2)
     parser.add_argument("--skip-zero3", action="store_true")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time model.compile's rollout (default: on, off with --smoke)")
     parser.add_argument("--worker", choices=["zero3"], help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -208,6 +263,14 @@ def main(argv: list[str] | None = None) -> int:
           f"time equal for both, ours / diffusers = {(common + o['diffusers']) / (common + o['ours']):.3f}")
     print(f"  ours batch {args.batch} / batch 1 (DanceGRPO rolls out one image at a time): "
           f"{ips['ours'] / ips['ours batch 1']:.2f}x images/s")
+    if args.compile if args.compile is not None else not args.smoke:
+        c = compiled(args, device)
+        ips = c["images_per_s"]
+        print(f"model.compile (regional, inductor): compile {c['compile_s']:.1f} s (apart); latents only, median of "
+              f"{args.repeats} interleaved rounds: " + ", ".join(f"{k} {v:.3f}" for k, v in ips.items()) + " images/s")
+        print(f"  compiled / eager {c['speedup']:.3f}x, compiled ours / compiled FluxPipeline {c['vs_diffusers']:.3f}; "
+              f"max |x0 compiled - x0 eager| = {c['max_abs_diff']:.2e}")
+        print(f"compiled_rollout_speedup: {c['speedup']:.3f}")
     if not args.skip_zero3:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "zero3.json"

@@ -10,16 +10,21 @@ torch.utils.flop_counter.FlopCounterMode (matmuls and attention; the CPU flash-a
 torch only knows the GPU ones). The machine's rate is the best sustained 1024^3 fp32 matmul rate, measured before
 and after the timed iterations with the same threads (the cores are shared, so both see the same contention).
 
-Two runs side by side: plain PyTorch (the model, torch AdamW) and the recipe's path, a DeepSpeed ZeRO-3 engine on
-one process (ds_configs/zero3_fp32.json), whose extra time is DeepSpeed's overhead (per-module fetch/release hooks,
-gradient partitioning and the flat optimizer step). A torch.profiler table of the plain iteration says where time
-goes. Headline: `step_efficiency: E` of the ZeRO-3 run (goal E >= 0.5 on a CPU).
+Three runs side by side, interleaved round by round (the cores are shared: medians over `--repeats` rounds):
+plain PyTorch (the model, torch AdamW, torch's own F.linear), the recipe's path, a DeepSpeed ZeRO-3 engine on one
+process (ds_configs/zero3_fp32.json, rollout through grpo.engine.inference_module as the recipe does it), whose extra
+time is DeepSpeed's overhead (per-module fetch/release hooks, its F.linear replacement, gradient partitioning and the
+flat optimizer step), and the same engine with model.compile (the FLUX blocks compiled by inductor; compile time is
+spent in the warm-up and reported apart). torch.profiler tables of the plain and the ZeRO-3 iteration say where time
+goes. Headline: `step_efficiency: E` of the ZeRO-3 run (goal E >= 0.7 on a CPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -55,13 +60,14 @@ class Iteration:
         self.advantages = torch.randn(batch, generator=g).to(device)
         self.batch = batch
 
-    def __call__(self, model, backward, step) -> None:
+    def __call__(self, model, backward, step, rollout=None) -> None:
+        """`rollout()`: a context giving the module to sample with (the model itself by default)."""
         from grpo.loss import grpo_loss
         from grpo.rollout import SDEParams, sample, transition
 
         sde = SDEParams(0.7, "dance")
-        with torch.no_grad():
-            traj = sample(model, self.cond, self.init, self.sigmas, sde,
+        with torch.no_grad(), (rollout or (lambda: contextlib.nullcontext(model)))() as sampler:
+            traj = sample(sampler, self.cond, self.init, self.sigmas, sde,
                           [torch.Generator().manual_seed(i) for i in range(self.batch)])
         for j in self.trained:
             out = transition(model, self.cond, traj.latents, self.sigmas, j, sde)
@@ -87,7 +93,7 @@ def plain(model: torch.nn.Module, max_norm: float = 1.0):
     return backward, step
 
 
-def deepspeed_engine(tcfg: dict, it: Iteration, steps: int):
+def deepspeed_engine(tcfg: dict, it: Iteration, steps: int, compile_blocks: bool = False):
     from grpo import device as dev
     from grpo.config import load_config
     from grpo.layout import derive_layout
@@ -97,11 +103,34 @@ def deepspeed_engine(tcfg: dict, it: Iteration, steps: int):
     cfg = load_config(ROOT / "recipes/configs/tiny/grpo_full.yaml",
                       ["batch.prompts_per_step=1", f"sampling.group_size={it.batch}",
                        f"batch.micro_batch_size={it.batch}", f"sampling.num_steps={steps}",
-                       "grpo.timestep_fraction=0.6", "optim.lr=1e-5", "deepspeed.config=ds_configs/zero3_fp32.json"])
+                       "grpo.timestep_fraction=0.6", "optim.lr=1e-5", "deepspeed.config=ds_configs/zero3_fp32.json",
+                       f"model.compile={str(compile_blocks).lower()}"])
     layout = derive_layout(cfg, 1)
     assert layout.grad_accum_steps == it.k, (layout.grad_accum_steps, it.k)
     engine, _ = load_recipe().build_policy(build_transformer(tcfg), cfg, load_ds_config(cfg.deepspeed.config, cfg, layout))
     return engine
+
+
+def engine_iteration(it: Iteration, engine):
+    """The recipe's iteration on a ZeRO-3 engine: the rollout on the module gathered once (deepspeed.
+    gather_for_rollout, on in every preset), the update through the engine's hooks."""
+    from grpo.engine import inference_module
+
+    return lambda: it(engine, engine.backward, engine.step, rollout=lambda: inference_module(engine, gather=True))
+
+
+@contextlib.contextmanager
+def torch_linear():
+    """DeepSpeed's zero.Init swaps torch.nn.functional.linear for its ZeRO-3 autograd function, process-wide and
+    for good (zero3_linear_wrap, ds_config memory_efficient_linear); the plain run gets torch's own back."""
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as patched
+
+    saved = torch.nn.functional.linear
+    torch.nn.functional.linear = getattr(patched, "linear_bk", saved)
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = saved
 
 
 def timed(fn, device: torch.device) -> float:
@@ -129,9 +158,14 @@ def profile_table(fn, rows: int = 10) -> tuple[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from grpo.flux import compile_seconds
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_workload_args(parser, repeats=2, smoke_steps=3)
+    add_workload_args(parser, repeats=3, smoke_steps=3)
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time the engine with model.compile (default: on, off with --smoke)")
     args = parser.parse_args(argv)
+    with_compile = args.compile if args.compile is not None else not args.smoke
     smoke_workload(args)
     device = torch.device("cpu")
     tcfg = transformer_config(args.preset)
@@ -139,32 +173,51 @@ def main(argv: list[str] | None = None) -> int:
 
     model = build_transformer(tcfg).to(device).train()
     backward, step = plain(model)
-    run_plain = lambda: it(model, backward, lambda: step(it.k))  # noqa: E731
-    flops, _ = count_flops(run_plain)
-    engine = deepspeed_engine(tcfg, it, args.steps)
-    run_ds = lambda: it(engine, engine.backward, engine.step)  # noqa: E731
+    plain_iteration = lambda: it(model, backward, lambda: step(it.k))  # noqa: E731
+    flops, _ = count_flops(plain_iteration)
 
+    def run_plain():
+        with torch_linear():
+            plain_iteration()
+
+    runs = {"plain": run_plain, "zero3": engine_iteration(it, deepspeed_engine(tcfg, it, args.steps))}
     rate = matmul_flops(device)
-    run_plain(), run_ds()  # warm-up (allocations, DeepSpeed's first trace)
-    best = {"plain": float("inf"), "zero3": float("inf")}
-    for _ in range(args.repeats):
-        best["plain"] = min(best["plain"], timed(run_plain, device))
-        best["zero3"] = min(best["zero3"], timed(run_ds, device))
+    runs["plain"](), runs["zero3"]()  # warm-up (allocations, DeepSpeed's first trace)
+    if with_compile:
+        compiled = engine_iteration(it, deepspeed_engine(tcfg, it, args.steps, compile_blocks=True))
+        compiling = compile_seconds()
+        warm = timed(compiled, device)  # the compiled engine's warm-up compiles the blocks (forward, backward)
+        compile_s = compile_seconds() - compiling
+        runs["zero3+compile"] = compiled
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(args.repeats):  # interleaved: each round sees the same load on the shared cores
+        for k, fn in runs.items():
+            times[k].append(timed(fn, device))
     rate = max(rate, matmul_flops(device))
-    table, matmul_share = profile_table(run_plain)
+    plain_table, plain_share = profile_table(runs["plain"])
+    zero3_table, zero3_share = profile_table(runs["zero3"], rows=16)
 
-    eff = {k: flops / t / rate for k, t in best.items()}
+    median = {k: statistics.median(v) for k, v in times.items()}
+    eff = {k: flops / t / rate for k, t in median.items()}
+    per_round = lambda k: statistics.median(a / b for a, b in zip(times[k], times["plain"]))  # noqa: E731
     n = sum(p.numel() for p in model.parameters())
     print(f"one GRPO iteration, preset {args.preset} ({n / 1e6:.1f} M params, full fine-tune, fp32): {args.batch} "
           f"images x {args.steps} steps at {args.resolution}px, {it.k} trained transitions; "
-          f"{torch.get_num_threads()} thread(s)")
+          f"{torch.get_num_threads()} thread(s); median of {args.repeats} interleaved rounds")
     print(f"  FLOPs per iteration           {flops / 1e9:10.1f} GFLOP (FlopCounterMode)")
     print(f"  machine matmul rate           {rate / 1e9:10.1f} GFLOP/s (1024^3 fp32, best)")
-    for k, t in best.items():
-        print(f"  {k:<6} iteration {t:8.2f} s  {flops / t / 1e9:8.1f} GFLOP/s  efficiency {eff[k]:.3f}")
-    print(f"  DeepSpeed ZeRO-3 overhead (1 process): {best['zero3'] / best['plain'] - 1:+.1%} time")
-    print(f"  where the plain iteration's time goes (self CPU time; {matmul_share:.0%} in matmul/attention):")
-    print(table)
+    for k, t in median.items():
+        print(f"  {k:<14} iteration {t:8.2f} s  {flops / t / 1e9:8.1f} GFLOP/s  efficiency {eff[k]:.3f}  "
+              f"(rounds: {', '.join(f'{x:.2f}' for x in times[k])})")
+    print(f"  DeepSpeed ZeRO-3 overhead (1 process): {per_round('zero3') - 1:+.1%} time (median of the per-round "
+          "ratios to plain)")
+    if with_compile:
+        print(f"  ZeRO-3 + model.compile: {per_round('zero3+compile') - 1:+.1%} time vs plain; compile time (its "
+              f"warm-up, apart from the above) {compile_s:.1f} s, warm-up iteration {warm:.1f} s")
+    print(f"  where the plain iteration's time goes (self CPU time; {plain_share:.0%} in matmul/attention):")
+    print(plain_table)
+    print(f"  where the ZeRO-3 iteration's time goes (self CPU time; {zero3_share:.0%} in matmul/attention):")
+    print(zero3_table)
     print(f"step_efficiency: {eff['zero3']:.3f}")
     return 0
 

@@ -67,8 +67,21 @@ def validate(cfg: RecipeConfig) -> None:
         raise ConfigError(f"model.gradient_checkpointing: {gc}; use true (all blocks), false, or k >= 1 (every k-th)")
     if cfg.model.dtype not in ("fp32", "bf16", "fp16"):
         raise ConfigError(f"model.dtype: {cfg.model.dtype!r}; use fp32, bf16 or fp16")
+    if cfg.model.compile:
+        _check_cpp_compiler()
     _validate_run_control(cfg)
     _validate_profile(cfg)
+
+
+def _check_cpp_compiler() -> None:
+    """model.compile: inductor builds its CPU kernels (and its wrappers on accelerators) with a C++ compiler at run
+    time; without one the first forward would fail after the models are loaded."""
+    import os
+    import shutil
+
+    if not any(shutil.which(c) for c in (os.environ.get("CXX"), "g++", "clang++", "c++") if c):
+        raise ConfigError("model.compile: true needs a C++ compiler for torch.compile (none of $CXX, g++, clang++, c++ "
+                          "is on PATH); install g++ or set model.compile=false")
 
 
 def _validate_optim_lora(cfg: RecipeConfig) -> None:

@@ -38,6 +38,10 @@ class ModelConfig:
         resume=FREE, help="build the transformer in deepspeed.zero.Init and fill it from the shards (a node holds ~one "
                           "host copy); false = from_pretrained on every process")
     offload_vae: bool = setting(False, resume=FREE, help="keep the VAE on the CPU except while decoding")
+    compile: bool = setting(
+        False, resume=FREE,
+        help="torch.compile each FLUX transformer block (regional compilation, diffusers' compile_repeated_blocks) "
+             "for the rollout and the update; compile time is logged apart as time/compile_s")
     deterministic: bool = setting(
         True, resume=FREE,
         help="NPU/CUDA: deterministic kernels (torch.use_deterministic_algorithms, warn_only), so that the first "

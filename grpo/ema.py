@@ -30,6 +30,22 @@ def _local_fp32(param: torch.nn.Parameter) -> torch.Tensor:
     return safe_get_local_fp32_param(param).detach()
 
 
+def _whole(param: torch.nn.Parameter) -> bool:
+    """A persistent ZeRO-3 parameter (stage3_param_persistence_threshold) whose whole value is in .data now. The
+    status is the same on every rank (same forwards and gathers), so the collectives below stay matched."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return getattr(param, "ds_persist", False) and param.ds_status == ZeroParamStatus.AVAILABLE
+
+
+def _all_gather(shard: torch.Tensor) -> torch.Tensor:
+    """Every rank's equal shard, concatenated in rank order (ZeRO-3's padded flat layout)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    parts = [torch.empty_like(shard) for _ in range(world)]
+    dist.all_gather(parts, shard.contiguous())
+    return torch.cat(parts)
+
+
 class ShardedEMA:
     """EMA of the trainable parameters of a ZeRO-3 engine, one fp32 shard per rank.
 
@@ -64,25 +80,26 @@ class ShardedEMA:
         for name, p in self.params.items():
             saved[name] = p.ds_tensor.detach().clone()
             p.ds_tensor.copy_(self.shadow[name].to(p.ds_tensor.dtype))
-        # Persistent (small, never partitioned during forward) params keep a full copy in .data as well.
-        persistent = {n: p for n, p in self.params.items() if getattr(p, "ds_persist", False)}
-        full_saved = {n: p.data.detach().clone() for n, p in persistent.items()}
-        for name, p in persistent.items():
+        # Persistent (small) params keep a whole copy in .data while they are available: after a forward's fetch,
+        # not after a GatheredParameters block (unwrap for the rollout), whose exit partitions them too.
+        whole = {n: p for n, p in self.params.items() if _whole(p)}
+        full_saved = {n: p.data.detach().clone() for n, p in whole.items()}
+        for name, p in whole.items():
             p.data.copy_(self._gather_full(name).to(p.dtype))
         try:
             yield
         finally:
             for name, p in self.params.items():
                 p.ds_tensor.copy_(saved[name])
-            for name, p in persistent.items():
-                p.data.copy_(full_saved[name])
+            for name, p in self.params.items():
+                if name in full_saved and _whole(p):
+                    p.data.copy_(full_saved[name])
+                elif _whole(p):  # fetched inside the block, from the EMA shards: take the restored shards' values
+                    p.data.copy_(_all_gather(p.ds_tensor)[: p.ds_numel].view(p.ds_shape))
 
     def _gather_full(self, name: str) -> torch.Tensor:
-        p, shard = self.params[name], self.shadow[name]
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        parts = [torch.empty_like(shard) for _ in range(world)]
-        dist.all_gather(parts, shard)
-        return torch.cat(parts)[: p.ds_numel].view(p.ds_shape)
+        p = self.params[name]
+        return _all_gather(self.shadow[name])[: p.ds_numel].view(p.ds_shape)
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """This rank's shards and the full shapes (safetensors tensors + metadata)."""

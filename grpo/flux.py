@@ -158,3 +158,20 @@ def decode(vae: AutoencoderKL, packed: torch.Tensor, resolution: int, vae_scale_
         if home != packed.device:
             vae.to(home)
     return _POSTPROCESS.postprocess(image, output_type="pt").float()
+
+
+def compile_blocks(transformer: torch.nn.Module, enabled: bool) -> None:
+    """Regional compilation (model.compile): torch.compile every double and single block in place, the way
+    diffusers' compile_repeated_blocks does it. Blocks of one class share their compiled code (torch inlines the
+    module's parameters as graph inputs), so compile time is that of two blocks, not of the whole model, and the
+    model keeps its own forward, hooks (DeepSpeed's gather/release, diffusers' checkpointing) and state_dict names.
+    Compilation happens lazily, on the first forward of each shape and grad mode (see compile_seconds)."""
+    if enabled:
+        transformer.compile_repeated_blocks()
+
+
+def compile_seconds() -> float:
+    """Seconds spent compiling in this process so far (dynamo tracing + inductor codegen), for time/compile_s."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return sum(compilation_time_metrics.get("_compile.compile_inner", ()))

@@ -74,7 +74,7 @@ from grpo.data import matching_noise, micro_batches, prompts_for_step, step_nois
 from grpo.distributed import gather_by_index
 from grpo.ema import ShardedEMA
 from grpo.errors import ConfigError, rank_exit
-from grpo.flux import enable_checkpointing, load_parts, velocity
+from grpo.flux import compile_blocks, compile_seconds, enable_checkpointing, load_parts, velocity
 from grpo.inputs import check_inputs
 from grpo.loading import transformer_loader
 from grpo.loss import RatioNorm, grpo_loss
@@ -100,6 +100,7 @@ def build_policy(transformer: torch.nn.Module, cfg: RecipeConfig, ds_config: dic
     else:
         transformer.requires_grad_(True)
     enable_checkpointing(transformer, cfg.model.gradient_checkpointing)
+    compile_blocks(transformer, cfg.model.compile)  # model.compile: the blocks compile on their first forward
     o = cfg.optim
     optimizer = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad], lr=o.lr,
                                   betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
@@ -246,6 +247,7 @@ class FluxGRPORecipe:
         tools' recording windows); the parts are timed either way.
         """
         clock = PhaseClock(phase)
+        compiling = compile_seconds()
         with clock("rollout"):
             chunks = self.rollout(step)
         with clock("reward"):
@@ -263,6 +265,8 @@ class FluxGRPORecipe:
         timings = {"time/rollout_s": clock.seconds["rollout"], "time/reward_s": clock.seconds["reward"],
                    "time/update_s": clock.seconds["train"], "step_time_s": clock.total,
                    "samples_per_s": self.layout.samples_per_step / clock.total}
+        if self.cfg.model.compile:  # compile time is part of the phases' times above; reported apart
+            timings["time/compile_s"] = compile_seconds() - compiling
         # Transformer compute per image in forward-equivalents (a backward counts 2): what strategies trade.
         trained = len(chunks[0].trained)
         cost = chunks[0].traj.nfe + trained * (3 + (self.kl_coef > 0) + self._uses_lagging_velocity)

@@ -52,7 +52,9 @@ def main() -> None:
             params = list(recipe.reference.module.parameters())
             result["ref_local_numel"] = sum(p.ds_tensor.numel() for p in params)
             result["ref_full_numel"] = sum(p.ds_numel for p in params)
-            result["ref_visible_numel"] = sum(p.numel() for p in params)  # 0 outside a gathered forward
+            result["ref_visible_numel"] = sum(p.numel() for p in params)  # persistent ones only, outside a forward
+            result["ref_persistent_numel"] = sum(p.ds_numel for p in params if p.ds_persist)
+            result["ref_persistent_max"] = max((p.ds_numel for p in params if p.ds_persist), default=0)
     if dist.get_rank() == 0:
         torch.save(result, out)
     dist.barrier()
