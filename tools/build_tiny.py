@@ -446,7 +446,7 @@ def build(
         seed: seeds every random choice, so a build is reproducible on the same machine and thread count.
         eval_steps, eval_seeds: sampling steps and seeds of the final held-out evaluation (0 seeds: skip).
         latent_stat_images: rendered images whose latents set the VAE scaling/shift factors.
-        init_from: an earlier build to continue (vae_steps must be 0; its VAE factors are kept).
+        init_from: an earlier build to continue (its VAE and factors are kept; vae_steps is ignored).
     """
     from diffusers import FluxPipeline
 
@@ -460,6 +460,7 @@ def build(
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     t = time.perf_counter()
+    earlier = None
     if init_from is not None:
         vae_steps = 0  # the VAE is the earlier build's, bit for bit
         with _phase("load"):
@@ -468,7 +469,8 @@ def build(
             vae, transformer = pipe.vae, pipe.transformer
             transformer.requires_grad_(True)
             factors = {k: vae.config[k] for k in ("shift_factor", "scaling_factor")}
-            n_params = json.loads((init_from / "build_info.json").read_text())["parameters"]
+            earlier = json.loads((init_from / "build_info.json").read_text())
+            n_params = earlier["parameters"]
         t = mark("load", t)
     else:
         pipe, n_params = _fresh_pipeline(layers, single_layers)
@@ -502,7 +504,7 @@ def build(
 
     summary: dict = {
         "seed": seed,
-        "init_from": None if init_from is None else json.loads((init_from / "build_info.json").read_text()),
+        "init_from": earlier,
         "vae_steps": vae_steps,
         "transformer_steps": transformer_steps,
         "transformer_lr": transformer_lr,
