@@ -115,3 +115,14 @@ def grpo_loss(
         "kl": kl.detach().float().mean() if kl is not None else torch.zeros((), device=loss.device),
     }
     return loss, stats
+
+
+def poison_nonfinite(loss: Tensor) -> Tensor:
+    """`loss`, or nan with a nan gradient where it is not finite, without a host sync.
+
+    ZeRO-3 skips an optimizer step only when the all-reduced gradient norm is non-finite, so a non-finite loss must
+    make a non-finite gradient. Multiplying by a factor of exactly 1 or nan does that and leaves a finite loss and its
+    gradient bit for bit unchanged; an `if` would sync with the host every micro-batch, and a torch.where around the
+    loss itself would poison finite gradients through its unused nan branch.
+    """
+    return loss * torch.where(torch.isfinite(loss.detach()), 1.0, float("nan")).to(loss.dtype)

@@ -67,12 +67,16 @@ class UpdateStats:
 
 @dataclass
 class LossSums:
-    """Running sums of one rank's backward passes, reduced over ranks into UpdateStats."""
+    """Running sums of one rank's backward passes, reduced over ranks into UpdateStats.
 
-    sums: dict[str, float] = field(default_factory=dict)  # "loss" and each scalar stat of the objective
+    The sums stay on the device until `reduce`: one host sync per update phase instead of one per backward pass,
+    so the accelerator's queue never drains between micro-batches.
+    """
+
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)  # "loss" and each scalar stat of the objective
     passes: int = 0
-    nonfinite: int = 0
-    ratio_max_dev: float | None = None  # grpo only
+    nonfinite: torch.Tensor | None = None  # backward passes with a non-finite loss
+    ratio_max_dev: torch.Tensor | None = None  # grpo only
 
     def add(self, loss: torch.Tensor, stats: dict[str, torch.Tensor], on_policy: bool = False) -> None:
         """One backward pass: `loss` and the objective's detached stats ("ratio" [B] for grpo: its mean is logged,
@@ -82,20 +86,23 @@ class LossSums:
             if key == "ratio":
                 values["ratio_mean"] = value.mean()
                 if self.ratio_max_dev is None:
-                    self.ratio_max_dev = 0.0
+                    self.ratio_max_dev = torch.zeros((), dtype=torch.float32, device=value.device)
                 if on_policy:
-                    self.ratio_max_dev = max(self.ratio_max_dev, (value - 1).abs().max().item())
+                    self.ratio_max_dev = torch.maximum(self.ratio_max_dev, (value.detach().float() - 1).abs().max())
             else:
                 values[key] = value
         for key, value in values.items():
-            self.sums[key] = self.sums.get(key, 0.0) + value.item()
+            value = value.detach().float()
+            self.sums[key] = self.sums[key] + value if key in self.sums else value
+        bad = (~torch.isfinite(loss.detach())).float()
+        self.nonfinite = bad if self.nonfinite is None else self.nonfinite + bad
         self.passes += 1
-        self.nonfinite += int(not torch.isfinite(loss))
 
     def reduce(self, device: torch.device) -> UpdateStats:
         """Collective: means over ranks, the non-finite count summed, the ratio deviation's max."""
         keys = list(self.sums)
-        summed = torch.tensor([self.sums[k] / self.passes for k in keys] + [float(self.nonfinite)], device=device)
+        nonfinite = self.nonfinite if self.nonfinite is not None else torch.zeros(())
+        summed = torch.stack([self.sums[k].to(device) / self.passes for k in keys] + [nonfinite.to(device)])
         dist.all_reduce(summed)
         summed[:-1] /= dist.get_world_size()
         values = dict(zip(keys, summed[:-1].tolist()))
@@ -103,7 +110,7 @@ class LossSums:
         stats = UpdateStats(**{k: v for k, v in values.items() if k in named}, nonfinite_loss=summed[-1].item(),
                             extra={k: v for k, v in values.items() if k not in named})
         if self.ratio_max_dev is not None:
-            dev = torch.tensor([self.ratio_max_dev], device=device)
+            dev = self.ratio_max_dev.reshape(1).to(device)
             dist.all_reduce(dev, op=dist.ReduceOp.MAX)
             stats.ratio_max_dev = dev.item()
         return stats

@@ -77,7 +77,7 @@ from grpo.errors import ConfigError, rank_exit
 from grpo.flux import compile_blocks, compile_seconds, enable_checkpointing, load_parts, velocity
 from grpo.inputs import check_inputs
 from grpo.loading import transformer_loader
-from grpo.loss import RatioNorm, grpo_loss
+from grpo.loss import RatioNorm, grpo_loss, poison_nonfinite
 from grpo.matching import awm_loss, decay, forward_noise, nft_loss, optimality_weight, velocity_mse
 from grpo.metrics import MetricsLogger, progress, save_grid
 from grpo.profiling import PhaseClock, StepProfiler
@@ -422,7 +422,7 @@ class FluxGRPORecipe:
         """Accumulate the objective's loss over the trained transitions (grpo) or noise levels (nft/awm) of each
         update block, then step."""
         per_update = self.layout.micro_batches_per_update
-        sums, grad_norms = LossSums(), []
+        sums = LossSums()
         skipped_before = self.engine.skipped_steps
         loss_of = {"grpo": self._grpo_loss, "nft": self._nft_loss, "awm": self._awm_loss}[self.cfg.algorithm]
         for n, c in enumerate(progress(chunks, f"update {step}", self.show_progress)):
@@ -430,19 +430,18 @@ class FluxGRPORecipe:
             for j in c.trained:
                 loss, st = loss_of(c, j, adv)
                 loss = health.inject("nan_loss", step, self.rank, loss)  # a no-op outside fault tests
-                if not torch.isfinite(loss):  # make its gradient non-finite too: ZeRO-3 then sees a non-finite
-                    loss = loss * float("nan")  # global grad norm (all-reduced) and skips this optimizer step
+                loss = poison_nonfinite(loss)  # ZeRO-3 then skips the optimizer step (non-finite grad norm)
                 self.engine.backward(loss)
                 self.engine.step()
                 sums.add(loss, st, on_policy=n < per_update)  # the first update block is exactly on-policy
-            if (n + 1) % per_update == 0:
-                grad_norms.append(float(self.engine.get_global_grad_norm() or 0.0))
         stats = sums.reduce(self.device)
         skipped = self.engine.skipped_steps - skipped_before  # identical on all ranks (global grad norm)
         if stats.nonfinite_loss > 0 and skipped == 0:
             raise RuntimeError("a non-finite loss reached the optimizer and DeepSpeed did not skip the step; "
                                "use deepspeed>=0.19.3 (ZeRO-3 skips steps with a non-finite gradient norm)")
-        stats.grad_norm, stats.lr = grad_norms[-1], self.scheduler.get_last_lr()[0]
+        # The last optimizer step's norm (DeepSpeed keeps only that one)
+        stats.grad_norm = float(self.engine.get_global_grad_norm() or 0.0)
+        stats.lr = self.scheduler.get_last_lr()[0]
         stats.skipped_updates = float(skipped)
         stats.nonfinite_grad = float(skipped if stats.nonfinite_loss == 0 else 0)
         return stats
