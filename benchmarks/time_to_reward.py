@@ -7,8 +7,12 @@ level 3: its forward and a backward that costs 2). The
 baseline runs `--budget-steps` steps; each strategy runs as many steps as fit in the baseline's compute. The
 held-out reward (eta = 0, the same fixed noise for every run, so the comparison is paired) is read every few steps.
 
-    python benchmarks/time_to_reward.py [--budget-steps 20] [--only NAME ...] [--out runs/time_to_reward] [--reuse]
-                                        [--smoke]
+    python benchmarks/time_to_reward.py [--budget-steps 20] [--only NAME ...] [--seeds 42 ...] [--eval-seeds N]
+                                        [--out runs/time_to_reward] [--reuse] [--smoke]
+
+With several `--seeds` every strategy trains once per seed (each seed's evals are paired across strategies: the eval
+noise is a function of the seed) and the curves are averaged over the seeds before the headline is read; the gain each
+seed reached is printed, so the spread between seeds shows how much of a difference is noise.
 
 Headline (last line): time_to_reward_speedup = compute the baseline needs to reach its final held-out gain /
 compute the best strategy needs to reach the same gain (linear between eval points; 0 when none reaches it).
@@ -78,8 +82,7 @@ def steps_within(cfg, budget: float) -> int:
     return max(n, 1)
 
 
-def run(name: str, overrides: list[str], steps: int, eval_every: int, out: Path, reuse: bool) -> list[dict]:
-    run_dir = out / name
+def run(name: str, overrides: list[str], steps: int, eval_every: int, run_dir: Path, reuse: bool) -> list[dict]:
     metrics = run_dir / "metrics.jsonl"
     if reuse and (run_dir / "final").exists() and metrics.exists():
         return [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -118,6 +121,11 @@ def compute_to_reach(points: list[tuple[float, float]], gain: float) -> float | 
     return None
 
 
+def mean_curve(curves: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """The point-by-point mean of one strategy's curves over seeds (the same steps, so the same compute points)."""
+    return [(pts[0][0], sum(r for _, r in pts) / len(pts)) for pts in zip(*curves)]
+
+
 def plot(curves: dict[str, list[tuple[float, float]]], path: Path) -> None:
     import matplotlib
 
@@ -141,12 +149,17 @@ def main() -> None:
     parser.add_argument("--budget-steps", type=int, default=20, help="baseline steps; its compute is everyone's budget")
     parser.add_argument("--evals", type=int, default=5, help="held-out evals per run after step 0")
     parser.add_argument("--only", nargs="*", default=list(STRATEGIES), help="strategies to run (baseline first)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[42], help="training seeds; curves are averaged")
+    parser.add_argument("--eval-seeds", type=int, default=None,
+                        help="held-out images per prompt (default: the presets' logging.eval_seeds)")
     parser.add_argument("--out", default="runs/time_to_reward")
     parser.add_argument("--reuse", action="store_true", help="keep finished runs found under --out")
     parser.add_argument("--smoke", action="store_true",
                         help="2 baseline steps on 8 images a step, baseline and MixGRPO-Flash only (tests the script)")
     args = parser.parse_args()
     extra = SMOKE if args.smoke else []
+    if args.eval_seeds is not None:
+        extra = [*extra, f"logging.eval_seeds={args.eval_seeds}"]
     if args.smoke:
         args.only = ["mixgrpo_flash"]
     budget_steps = 2 if args.smoke else args.budget_steps
@@ -156,15 +169,23 @@ def main() -> None:
     names = ["dancegrpo"] + [n for n in args.only if n != "dancegrpo"]
     cfgs = {n: load_config(ROOT / STRATEGIES[n][0], extra) for n in names}
     budget = sum(step_cost(cfgs["dancegrpo"], k) for k in range(budget_steps))
-    curves, rows_of = {}, {}
-    print(f"budget: {budget:.0f} forward-equivalents per image ({budget_steps} DanceGRPO steps)")
+    curves, gains = {}, {}
+    print(f"budget: {budget:.0f} forward-equivalents per image ({budget_steps} DanceGRPO steps), "
+          f"training seeds {args.seeds}")
     for n in names:
         steps = budget_steps if n == "dancegrpo" else steps_within(cfgs[n], budget)
-        rows_of[n] = run(n, extra, steps, max(1, math.ceil(steps / args.evals)), out, args.reuse)
-        curves[n] = curve(rows_of[n], cfgs[n])
-        wall = sum(r.get("step_time_s", 0.0) for r in rows_of[n])
+        per_seed, wall = [], 0.0
+        for seed in args.seeds:
+            # The first seed keeps the strategy's own folder name, so --reuse finds one-seed runs of before.
+            run_dir = out / (n if seed == args.seeds[0] else f"{n}_seed{seed}")
+            rows = run(n, [*extra, f"seed={seed}"], steps, max(1, math.ceil(steps / args.evals)), run_dir, args.reuse)
+            per_seed.append(curve(rows, cfgs[n]))
+            wall += sum(r.get("step_time_s", 0.0) for r in rows)
+        curves[n] = mean_curve(per_seed)
+        gains[n] = [c[-1][1] - c[0][1] for c in per_seed]
         print(f"{n:>14}: {steps:3d} steps, {step_cost(cfgs[n], 0):3d} fwd/image at step 0, train wall {wall:6.1f} s | "
-              f"held-out {curves[n][0][1]:.4f} -> {curves[n][-1][1]:.4f} | {STRATEGIES[n][1]}")
+              f"held-out {curves[n][0][1]:.4f} -> {curves[n][-1][1]:.4f} | gain per seed "
+              f"{' '.join(f'{g:+.4f}' for g in gains[n])} | {STRATEGIES[n][1]}")
     (out / "curves.json").write_text(json.dumps(curves, indent=1))
     plot(curves, out / "time_to_reward.png")
 
@@ -178,7 +199,8 @@ def main() -> None:
         ratio = need_base / need if need else 0.0
         best = max(best, ratio)
         final = curves[n][-1][1] - curves[n][0][1]
-        print(f"{n:>14}: final gain {final:+.4f}; reaches the baseline's gain at "
+        at_budget = f"{final / gain:.2f}x the baseline's" if gain > 0 else "-"
+        print(f"{n:>14}: final gain {final:+.4f} ({at_budget}); reaches the baseline's gain at "
               f"{'never' if need is None else f'{need:.0f}'} fwd/image -> speed-up {ratio:.2f}x")
     print(f"plot: {out / 'time_to_reward.png'}")
     print(f"time_to_reward_speedup: {best:.3f}")

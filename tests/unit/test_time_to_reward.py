@@ -1,0 +1,37 @@
+"""The arithmetic of benchmarks/time_to_reward.py: its cost model, the compute to reach a gain, the seed average.
+(The script itself runs in tests/recipe/test_benchmarks.py::test_time_to_reward_smoke.)"""
+
+import importlib.util
+
+import pytest
+
+from grpo.config import load_config
+from tests import ROOT
+
+spec = importlib.util.spec_from_file_location("time_to_reward", ROOT / "benchmarks" / "time_to_reward.py")
+ttr = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ttr)
+
+
+def test_cost_model_of_the_presets():
+    cost = {n: ttr.step_cost(load_config(ROOT / path, []), 0) for n, (path, _) in ttr.STRATEGIES.items()}
+    # DanceGRPO: 6 rollout steps + 5 trained transitions x 3; AWM: 6 + 2 noise levels x (3 + the anchor's forward).
+    assert cost["dancegrpo"] == 6 + 5 * 3 and cost["awm"] == 6 + 2 * 4
+    assert cost["mixgrpo"] == 6 + 2 * 3  # ODE outside a window of 2
+    cfg = load_config(ROOT / ttr.STRATEGIES["awm"][0], [])
+    assert ttr.steps_within(cfg, 45 * 14) == 45 and ttr.steps_within(cfg, 45 * 14 - 1) == 44
+    assert ttr.steps_within(cfg, 1) == 1  # at least one step
+
+
+def test_compute_to_reach_interpolates_between_evals():
+    curve = [(0.0, 0.50), (100.0, 0.52), (200.0, 0.56)]
+    assert ttr.compute_to_reach(curve, 0.02) == pytest.approx(100.0)
+    assert ttr.compute_to_reach(curve, 0.04) == pytest.approx(150.0)
+    assert ttr.compute_to_reach(curve, 0.07) is None
+    assert ttr.compute_to_reach([(0.0, 0.5), (50.0, 0.49), (90.0, 0.53)], 0.01) == pytest.approx(70.0)
+
+
+def test_seed_curves_are_averaged_point_by_point():
+    a = [(0.0, 0.50), (100.0, 0.54)]
+    b = [(0.0, 0.52), (100.0, 0.52)]
+    assert ttr.mean_curve([a, b]) == [(0.0, 0.51), (100.0, pytest.approx(0.53))]
