@@ -60,7 +60,19 @@ def test_a_part_over_its_limit_is_killed_with_everything_it_started(tmp_path):
     assert time.monotonic() - start < 10
     assert line.startswith("slow   TIMEOUT") and "killed after 1 s" in line and (tmp_path / "slow.log").exists()
     child = int((tmp_path / "child").read_text())
-    assert not (psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE)
+
+    def alive() -> bool:
+        try:
+            return psutil.Process(child).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    # SIGKILL went to the whole group; the orphaned grandchild's death (and init reaping it) is asynchronous, and on
+    # a loaded machine it can still show as running for a moment (seen once in CI).
+    deadline = time.monotonic() + 5
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive()
 
 
 def test_no_accelerator_is_refused_without_cpu(monkeypatch, tmp_path, capsys):
