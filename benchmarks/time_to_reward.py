@@ -169,7 +169,7 @@ def main() -> None:
     names = ["dancegrpo"] + [n for n in args.only if n != "dancegrpo"]
     cfgs = {n: load_config(ROOT / STRATEGIES[n][0], extra) for n in names}
     budget = sum(step_cost(cfgs["dancegrpo"], k) for k in range(budget_steps))
-    curves, gains = {}, {}
+    curves = {}
     print(f"budget: {budget:.0f} forward-equivalents per image ({budget_steps} DanceGRPO steps), "
           f"training seeds {args.seeds}")
     for n in names:
@@ -182,10 +182,10 @@ def main() -> None:
             per_seed.append(curve(rows, cfgs[n]))
             wall += sum(r.get("step_time_s", 0.0) for r in rows)
         curves[n] = mean_curve(per_seed)
-        gains[n] = [c[-1][1] - c[0][1] for c in per_seed]
+        gains = [c[-1][1] - c[0][1] for c in per_seed]
         print(f"{n:>14}: {steps:3d} steps, {step_cost(cfgs[n], 0):3d} fwd/image at step 0, train wall {wall:6.1f} s | "
               f"held-out {curves[n][0][1]:.4f} -> {curves[n][-1][1]:.4f} | gain per seed "
-              f"{' '.join(f'{g:+.4f}' for g in gains[n])} | {STRATEGIES[n][1]}")
+              f"{' '.join(f'{g:+.4f}' for g in gains)} | {STRATEGIES[n][1]}")
     (out / "curves.json").write_text(json.dumps(curves, indent=1))
     plot(curves, out / "time_to_reward.png")
 

@@ -1,16 +1,11 @@
 """The arithmetic of benchmarks/time_to_reward.py: its cost model, the compute to reach a gain, the seed average.
 (The script itself runs in tests/recipe/test_benchmarks.py::test_time_to_reward_smoke.)"""
 
-import importlib.util
-
 import pytest
 
+from benchmarks import time_to_reward as ttr
 from grpo.config import load_config
 from tests import ROOT
-
-spec = importlib.util.spec_from_file_location("time_to_reward", ROOT / "benchmarks" / "time_to_reward.py")
-ttr = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ttr)
 
 
 def test_cost_model_of_the_presets():
