@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from grpo.config import load_config  # noqa: E402
 from grpo.layout import trained_transitions  # noqa: E402
 from grpo.solvers import tail_points  # noqa: E402
+from grpo.tree import Tree  # noqa: E402
 from grpo.windows import rollout_window  # noqa: E402
 from tools.launch import free_port  # noqa: E402
 
@@ -48,6 +49,7 @@ STRATEGIES: dict[str, tuple[str, str]] = {
     "mixgrpo": ("recipes/configs/tiny/mixgrpo_lora.yaml", "Flow-SDE window of 2 sliding every 4 steps (MixGRPO)"),
     "mixgrpo_flash": ("recipes/configs/tiny/mixgrpo_flash_lora.yaml", "MixGRPO + DPM-Solver++(2M) tail (Flash)"),
     "flowgrpo_fast": ("recipes/configs/tiny/flowgrpo_fast_lora.yaml", "CPS window of 2, random start (Fast)"),
+    "branchgrpo": ("recipes/configs/tiny/branchgrpo_lora.yaml", "trees of 4 splitting at steps 0, 2 (BranchGRPO)"),
     "nft": ("recipes/configs/tiny/nft_lora.yaml", "DiffusionNFT: ODE rollouts, implicit +/- policies"),
     "awm": ("recipes/configs/tiny/awm_lora.yaml", "AWM: ODE rollouts, advantage-weighted matching"),
 }
@@ -56,11 +58,15 @@ SMOKE = ["batch.prompts_per_step=4", "sampling.group_size=2", "batch.micro_batch
          "logging.tensorboard=false", "logging.sample_every=0", "logging.progress=false"]
 
 
-def step_cost(cfg, step: int) -> int:
+def step_cost(cfg, step: int) -> float:
     """Forward-equivalents per image of step `step`: rollout calls, then per trained transition or noise level 3 (a
-    forward and a backward), +1 for a reference forward (KL), +1 for the lagging policy's (nft, awm's anchor)."""
+    forward and a backward), +1 for a reference forward (KL), +1 for the lagging policy's (nft, awm's anchor). A tree
+    pays once per node, shared by the images under it."""
     s, m = cfg.sampling, cfg.matching
     window = rollout_window(s, cfg.seed, step)
+    tree = Tree.of(s)
+    if tree is not None:
+        return tree.forwards_per_image(tree.trained(), 3 + (cfg.grpo.kl_coef > 0))
     if m is not None:
         lagging = cfg.algorithm == "nft" or m.anchor_coef > 0
         return s.num_steps + m.timesteps * (3 + (m.kl_coef > 0) + lagging)
@@ -183,7 +189,7 @@ def main() -> None:
             wall += sum(r.get("step_time_s", 0.0) for r in rows)
         curves[n] = mean_curve(per_seed)
         gains = [c[-1][1] - c[0][1] for c in per_seed]
-        print(f"{n:>14}: {steps:3d} steps, {step_cost(cfgs[n], 0):3d} fwd/image at step 0, train wall {wall:6.1f} s | "
+        print(f"{n:>14}: {steps:3d} steps, {step_cost(cfgs[n], 0):5.2f} fwd/image at step 0, train wall {wall:6.1f} s | "
               f"held-out {curves[n][0][1]:.4f} -> {curves[n][-1][1]:.4f} | gain per seed "
               f"{' '.join(f'{g:+.4f}' for g in gains)} | {STRATEGIES[n][1]}")
     (out / "curves.json").write_text(json.dumps(curves, indent=1))

@@ -181,9 +181,34 @@ def _validate_strategy(cfg: RecipeConfig) -> None:
                               "(MixGRPO-Flash: 0.4)")
     elif s.compress_ratio is not None:
         raise ConfigError("sampling.compress_ratio: only for sampling.tail: dpm2; remove it or set tail: dpm2")
+    if s.branch is not None:
+        _validate_branch(cfg)
     if cfg.grpo.ratio_norm and s.sde != "flow":
         raise ConfigError(f"grpo.ratio_norm: true needs sampling.sde: flow (GRPO-Guard normalises Flow-SDE "
                           f"log-ratios), got {s.sde}")
+
+
+def _validate_branch(cfg: RecipeConfig) -> None:
+    """BranchGRPO's tree: a group is one tree of Gaussian SDE steps from one root, every edge trained."""
+    s, b = cfg.sampling, cfg.sampling.branch
+    if cfg.algorithm != "grpo" or s.window is not None:
+        raise ConfigError("sampling.branch: tree rollouts are GRPO's over every SDE step; set algorithm: grpo and "
+                          "sampling.window: null, or branch: null")
+    if s.sde == "cps" or cfg.grpo.ratio_norm:
+        raise ConfigError("sampling.branch: needs Gaussian SDE steps (sde dance or flow) without grpo.ratio_norm")
+    if not b.splits or list(b.splits) != sorted(set(b.splits)) or not 0 <= b.splits[0] <= b.splits[-1] <= s.num_steps - 2:
+        raise ConfigError(f"sampling.branch.splits: {b.splits}; list increasing steps in 0 .. num_steps - 2 = "
+                          f"{s.num_steps - 2}, e.g. [0, 2]")
+    if b.factor < 2 or s.group_size != b.factor ** len(b.splits):
+        raise ConfigError(f"sampling.group_size: {s.group_size}; a tree with {len(b.splits)} splits of factor "
+                          f"{b.factor} has {b.factor ** len(b.splits)} leaves (factor >= 2); make them equal")
+    if not b.noise_scale > 0:
+        raise ConfigError(f"sampling.branch.noise_scale: {b.noise_scale}; use a positive number, e.g. 1 (none) or 4")
+    if not s.init_same_noise:
+        raise ConfigError("sampling.init_same_noise: false, but a tree grows from one root per group; set true")
+    if cfg.grpo.std_scope != "group" or cfg.grpo.timestep_fraction != 1.0:
+        raise ConfigError("sampling.branch: advantages are normalised per tree and depth, and every edge is trained; "
+                          "set grpo.std_scope: group and grpo.timestep_fraction: 1.0")
 
 
 def _validate_profile(cfg: RecipeConfig) -> None:

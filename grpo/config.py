@@ -86,6 +86,15 @@ class WindowConfig:
 
 
 @dataclass(kw_only=True)
+class BranchConfig:
+    splits: list[int] = setting(help="steps at which every node branches, increasing, in 0 .. num_steps - 2 "
+                                     "(BranchGRPO: 0, 3, 6, 9 of 20); group_size = factor ** len(splits)")
+    factor: int = setting(help="children per node at a split (BranchGRPO: 2)")
+    noise_scale: float = setting(help="std multiplier at split steps, for sampling and log-prob alike "
+                                      "(BranchGRPO's split_noise_scale: 4.0 with eta 0.3)")
+
+
+@dataclass(kw_only=True)
 class SamplingConfig:
     resolution: int = setting(help="image side in pixels, a multiple of 16")
     num_steps: int = setting(help="denoising steps per rollout")
@@ -106,6 +115,9 @@ class SamplingConfig:
                              "DPM-Solver++(2M) on a schedule compressed by compress_ratio)")
     compress_ratio: float | None = setting(None, help="dpm2: the tail keeps floor((num_steps - L) * ratio) points, "
                                                       "at least 2 (MixGRPO-Flash: 0.4)")
+    branch: BranchConfig | None = setting(
+        None, help="BranchGRPO's tree rollouts: each group is one tree from a shared root, computed once per node; "
+                   "per-depth advantages; every edge trained; null = independent trajectories")
 
 
 @dataclass(kw_only=True)

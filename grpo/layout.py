@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from grpo.config import RecipeConfig
 from grpo.errors import ConfigError
+from grpo.tree import Tree
 
 
 @dataclass(frozen=True)
@@ -80,10 +81,18 @@ def derive_layout(cfg: RecipeConfig, world_size: int) -> Layout:
             f"batch.rollout_micro_batch_size: {rollout} must be a multiple of micro_batch_size {b.micro_batch_size} "
             f"that divides the {per_rank} images per process; e.g. {b.micro_batch_size} or null"
         )
+    if s.branch is not None and (per_rank // b.updates_per_step) % s.group_size + b.micro_batch_size % s.group_size:
+        raise ConfigError(
+            f"batch.micro_batch_size: {b.micro_batch_size}; tree rollouts need whole trees in every micro-batch and "
+            f"update block; make micro_batch_size and the {per_rank // b.updates_per_step} images per process and "
+            f"update multiples of group_size {s.group_size}"
+        )
     # Backward passes per trajectory, fixed for a run as DeepSpeed's gradient accumulation needs: every window
-    # step with an SDE window, matching.timesteps noise levels for nft / awm.
+    # step with an SDE window, every edge of a tree, matching.timesteps noise levels for nft / awm.
     if cfg.matching is not None:  # nft / awm: noise levels per image
         k = cfg.matching.timesteps
+    elif s.branch is not None:
+        k = len(Tree.of(s).trained())
     elif s.window is not None:
         k = s.window.size
     else:

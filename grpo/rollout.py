@@ -19,8 +19,9 @@ from grpo.config import SamplingConfig
 from grpo.data import INIT_NOISE, initial_noise
 from grpo.flux import Conditioning, FluxParts, decode, make_conditioning, pack, velocity
 from grpo.prompts import PromptCache
-from grpo.sde import StepOut, dynamic_sigmas, predicted_x0, sde_step, shifted_sigmas
+from grpo.sde import StepOut, dynamic_sigmas, predicted_x0, sde_mean_std, sde_sample, sde_step, shifted_sigmas
 from grpo.solvers import dpm_solver_pp_sample, flash_sigmas
+from grpo.tree import Tree
 from grpo.windows import rollout_window
 
 
@@ -57,7 +58,7 @@ def timestep(sigmas: torch.Tensor, i: int, batch: int) -> torch.Tensor:
 @torch.no_grad()
 def sample(model: torch.nn.Module, cond: Conditioning, init_latents: torch.Tensor, sigmas: torch.Tensor,
            sde: SDEParams, noise_generators: list[torch.Generator] | None = None, window: range | None = None,
-           tail: torch.Tensor | None = None, keep_means: bool = False) -> Trajectories:
+           tail: torch.Tensor | None = None, keep_means: bool = False, tree: Tree | None = None) -> Trajectories:
     """Roll out one micro-batch from `init_latents` [B, S, C] along `sigmas` [T+1].
 
     With eta > 0 each step's noise is drawn on the CPU from that trajectory's own generator, so a trajectory does
@@ -69,6 +70,9 @@ def sample(model: torch.nn.Module, cond: Conditioning, init_latents: torch.Tenso
     tail: MixGRPO-Flash's schedule after the window (grpo.solvers.flash_sigmas(...)[L + 1:]): the steps after
         window[-1] are replaced by DPM-Solver++(2M) steps on it, and x0 is its end at sigma 0.
     keep_means: also record each step's SDE mean (GRPO-Guard's RatioNorm needs the rollout's).
+    tree: BranchGRPO's tree rollout (grpo/tree.py): the batch is whole trees whose rows share their initial
+        latents; the model runs once per node and step, only a node's first row draws noise, every row records the
+        log-prob of its own edge.
     """
     b, steps = init_latents.shape[0], len(sigmas) - 1
     device = init_latents.device
@@ -76,6 +80,19 @@ def sample(model: torch.nn.Module, cond: Conditioning, init_latents: torch.Tenso
     latents, log_probs, means = [x], [], []
     ode = SDEParams(0.0, sde.kind)
     grid_steps = steps if tail is None else window[-1] + 1
+    if tree is not None:
+        for i in range(steps):
+            heads, owner = tree.heads(b, i).to(device), tree.owner(b, i).to(device)
+            v = velocity(model, x[heads], timestep(sigmas, i, len(heads)).to(device), cond.select(heads))
+            if i == steps - 1:
+                x0 = predicted_x0(x[heads], v, float(sigmas[i]))[owner]
+            children = tree.heads(b, i + 1)
+            noise = torch.stack([torch.randn(x.shape[1:], generator=noise_generators[k]) for k in children.tolist()])
+            out = tree_step(x[heads], v, sigmas, i, sde, tree, b, noise=noise.to(device))
+            x = out.prev_sample
+            latents.append(x)
+            log_probs.append(out.log_prob)
+        return Trajectories(torch.stack(latents, dim=1), torch.stack(log_probs, dim=1), x0, nfe=steps)
     for i in range(grid_steps):
         v = velocity(model, x, timestep(sigmas, i, b).to(device), cond)
         if i == steps - 1 or (tail is not None and i == grid_steps - 1):
@@ -105,9 +122,39 @@ def sample(model: torch.nn.Module, cond: Conditioning, init_latents: torch.Tenso
     )
 
 
+def tree_step(x: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, i: int, sde: SDEParams, tree: Tree,
+              batch: int, *, noise: torch.Tensor | None = None,
+              prev_sample: torch.Tensor | None = None) -> StepOut:
+    """Step i of `batch` rows of whole trees from its nodes' states `x` and velocities `v` (one row per node).
+
+    Each child node (a row of tree.heads(batch, i + 1)) is its parent's mean + noise_scale·std·noise at a split
+    step; the log-prob uses that same std (the sampling policy; the source samples with noise_scale·std but scores
+    with std, a behaviour/target mismatch it leaves). Sampling (`noise`, one row per child) returns every row's
+    next latent and log-prob; scoring (`prev_sample`, the children's stored latents) returns one row per child.
+    """
+    mean, std = sde_mean_std(x, v, float(sigmas[i]), float(sigmas[i + 1]), eta=sde.eta, kind=sde.kind,
+                             sigma_max=float(sigmas[1]))
+    parent = (tree.heads(batch, i + 1) // tree.span(i)).to(x.device)
+    out = sde_sample(mean[parent], std * tree.std_scale(i), sde.kind, noise=noise, prev_sample=prev_sample)
+    if prev_sample is not None:
+        return out
+    owner = tree.owner(batch, i + 1).to(x.device)
+    return StepOut(out.prev_sample[owner], out.mean[owner], out.std, out.log_prob[owner])
+
+
 def transition(model: torch.nn.Module, cond: Conditioning, traj_latents: torch.Tensor, sigmas: torch.Tensor,
-               i: int, sde: SDEParams) -> StepOut:
-    """Log-prob (and SDE mean) of the stored transition x_i -> x_{i+1} under `model`; differentiable."""
+               i: int, sde: SDEParams, tree: Tree | None = None) -> StepOut:
+    """Log-prob (and SDE mean) of the stored transition x_i -> x_{i+1} under `model`; differentiable.
+
+    With a tree, one row per edge into depth i + 1 (the rows tree.heads(B, i + 1)), computed from one model call per
+    node at depth i, as the rollout computed it."""
+    if tree is not None:
+        b = traj_latents.shape[0]
+        heads = tree.heads(b, i).to(traj_latents.device)
+        x = traj_latents[heads, i]
+        v = velocity(model, x, timestep(sigmas, i, len(heads)).to(x.device), cond.select(heads))
+        children = tree.heads(b, i + 1).to(x.device)
+        return tree_step(x, v, sigmas, i, sde, tree, b, prev_sample=traj_latents[children, i + 1])
     x, x_next = traj_latents[:, i], traj_latents[:, i + 1]
     v = velocity(model, x, timestep(sigmas, i, x.shape[0]).to(x.device), cond)
     return sde.step(x, v, sigmas, i, prev_sample=x_next)
@@ -137,6 +184,11 @@ class FluxSampler:
     device: torch.device
     dtype: torch.dtype  # the transformer's
 
+    @property
+    def tree(self) -> Tree | None:
+        """BranchGRPO's tree of the training rollouts (sampling.branch), or None."""
+        return Tree.of(self.sampling)
+
     @classmethod
     def from_parts(cls, parts: FluxParts, vae: torch.nn.Module, s: SamplingConfig, seed: int, device: torch.device,
                    dtype: torch.dtype) -> "FluxSampler":
@@ -164,8 +216,10 @@ class FluxSampler:
     def sample(self, model: torch.nn.Module, cond: Conditioning, init_latents: torch.Tensor,
                noise_generators: list[torch.Generator] | None = None, window: range | None = None,
                eta: float | None = None, keep_means: bool = False) -> Trajectories:
-        """:func:`sample` along this sampler's schedule, with the preset's solver after `window`; `eta` overrides
-        the preset's (0 = ODE, as in eval)."""
+        """:func:`sample` along this sampler's schedule, with the preset's solver after `window` or its tree; `eta`
+        overrides the preset's (0 = ODE, as in eval, never branched)."""
+        if eta is None and self.tree is not None:
+            return sample(model, cond, init_latents, self.sigmas, self.sde, noise_generators, tree=self.tree)
         sde = self.sde if eta is None else SDEParams(eta, self.sde.kind)
         tail = None
         if window is not None and self.sampling.tail == "dpm2":
@@ -175,7 +229,7 @@ class FluxSampler:
 
     def transition(self, model: torch.nn.Module, cond: Conditioning, latents: torch.Tensor, i: int) -> StepOut:
         """:func:`transition` i of stored trajectory `latents` along this sampler's schedule."""
-        return transition(model, cond, latents, self.sigmas, i, self.sde)
+        return transition(model, cond, latents, self.sigmas, i, self.sde, self.tree)
 
     def decode(self, x0: torch.Tensor) -> torch.Tensor:
         return decode(self.vae, x0, self.sampling.resolution, self.vae_scale_factor)

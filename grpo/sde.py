@@ -24,6 +24,8 @@ __all__ = [
     "gaussian_log_prob",
     "kl_same_std",
     "predicted_x0",
+    "sde_mean_std",
+    "sde_sample",
     "sde_step",
     "shifted_sigmas",
     "time_shift",
@@ -174,37 +176,48 @@ def sde_step(
     if kind == "cps" and eta > 1:
         raise ConfigError(f"eta: cps noise level must be <= 1, got {eta}; use e.g. 0.8 (Flow-GRPO's default)")
     x, v = x.float(), v.float()
+    if eta == 0:
+        # Kept separate so the ODE path is bit-identical to the diffusers Euler step.
+        s, s_next = _as_f32(sigma, x.device), _as_f32(sigma_next, x.device)
+        out = x + (_bcast(s_next, x.ndim) - _bcast(s, x.ndim)) * v
+        return StepOut(prev_sample=out, mean=out, std=torch.zeros_like(s_next - s), log_prob=None)
+    mean, std = sde_mean_std(x, v, sigma, sigma_next, eta=eta, kind=kind, sigma_max=sigma_max)
+    return sde_sample(mean, std, kind, noise=noise, prev_sample=prev_sample)
+
+
+def sde_mean_std(x: Tensor, v: Tensor, sigma: float | Tensor, sigma_next: float | Tensor, *, eta: float,
+                 kind: str = "dance", sigma_max: float | None = None) -> tuple[Tensor, Tensor]:
+    """The mean [B, ...] and std (0-d or [B]) of one stochastic step (eta > 0), in float32; see :func:`sde_step`."""
+    x, v = x.float(), v.float()
     s = _as_f32(sigma, x.device)
     s_next = _as_f32(sigma_next, x.device)
     sb, sb_next = _bcast(s, x.ndim), _bcast(s_next, x.ndim)
-
-    if eta == 0:
-        # Kept separate so the ODE path is bit-identical to the diffusers Euler step.
-        out = x + (sb_next - sb) * v
-        return StepOut(prev_sample=out, mean=out, std=torch.zeros_like(s_next - s), log_prob=None)
-
     if kind == "cps":
-        mean, std = _cps_mean_std(x, v, sb, sb_next, s_next, eta)
+        return _cps_mean_std(x, v, sb, sb_next, s_next, eta)
+    delta = s - s_next
+    if kind == "dance":
+        g = torch.full_like(s, eta)
     else:
-        delta = s - s_next
-        if kind == "dance":
-            g = torch.full_like(s, eta)
-        else:
-            if sigma_max is None and bool((s == 1).any()):
-                raise ValueError("sde_step(kind='flow') at sigma == 1 needs sigma_max (Flow-GRPO uses sigmas[1])")
-            denom_sigma = s if sigma_max is None else torch.where(s == 1, _as_f32(sigma_max, x.device), s)
-            g = eta * torch.sqrt(s / (1.0 - denom_sigma))
-        std = g * torch.sqrt(delta)
-        gb, db = _bcast(g, x.ndim), _bcast(delta, x.ndim)
-        mean = x - db * (v + gb**2 / (2.0 * sb) * (x + (1.0 - sb) * v))
+        if sigma_max is None and bool((s == 1).any()):
+            raise ValueError("sde_step(kind='flow') at sigma == 1 needs sigma_max (Flow-GRPO uses sigmas[1])")
+        denom_sigma = s if sigma_max is None else torch.where(s == 1, _as_f32(sigma_max, x.device), s)
+        g = eta * torch.sqrt(s / (1.0 - denom_sigma))
+    std = g * torch.sqrt(delta)
+    gb, db = _bcast(g, x.ndim), _bcast(delta, x.ndim)
+    mean = x - db * (v + gb**2 / (2.0 * sb) * (x + (1.0 - sb) * v))
+    return mean, std
 
-    stdb = _bcast(std, x.ndim)
+
+def sde_sample(mean: Tensor, std: Tensor, kind: str, *, noise: Tensor | None = None,
+               prev_sample: Tensor | None = None) -> StepOut:
+    """A step's sample mean + std·noise (or the stored `prev_sample`) and its log-prob; see :func:`sde_step`."""
+    stdb = _bcast(std, mean.ndim)
     if prev_sample is None:
         if noise is None:
             raise ValueError("sde_step with eta > 0 needs `noise` (standard normal, shape of x) or `prev_sample`")
-        prev_sample = mean + stdb * noise.to(device=x.device, dtype=torch.float32)
+        prev_sample = mean + stdb * noise.to(device=mean.device, dtype=torch.float32)
     else:
-        prev_sample = prev_sample.to(device=x.device, dtype=torch.float32)
+        prev_sample = prev_sample.to(device=mean.device, dtype=torch.float32)
     if kind == "cps":
         log_prob = _element_mean(-((prev_sample.detach() - mean) ** 2))
     else:

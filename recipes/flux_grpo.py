@@ -6,6 +6,7 @@ One step (`step()`, which the training loop, the tools and the tests all run) re
                log-probs, optionally only inside an SDE window; nft: the lagging policy's sampler; awm: the policy's)
     reward     each rank scores its own images; only scalars cross ranks
     advantage  rewards are gathered with their global sample index and normalised within each prompt's group
+               (a tree: per depth, over its nodes)
     reference  grpo: the reference policy's SDE means (kl_coef > 0); nft/awm: the clean samples noised at sampled
                schedule points, with the lagging policy's and the reference's velocities there
     update     grpo: PPO-clip on the trained transitions; nft: the implicit positive/negative policies; awm:
@@ -21,7 +22,7 @@ Features and the settings that control them (see grpo/config.py for every key):
     activation recompute .......... model.gradient_checkpointing
     sampler ....................... sampling.{num_steps, eta, sde: dance|flow|cps, shift, guidance, init_same_noise}
     fast GRPO strategies .......... sampling.window (MixGRPO, Flow-GRPO-Fast), sampling.tail: dpm2 (MixGRPO-Flash),
-                                    grpo.ratio_norm (GRPO-Guard)
+                                    grpo.ratio_norm (GRPO-Guard), sampling.branch (BranchGRPO's trees, grpo/tree.py)
     objective ..................... algorithm: grpo | nft | awm; matching.* for nft/awm (grpo/matching.py)
     batch ......................... batch.{prompts_per_step (global), micro_batch_size, rollout_micro_batch_size,
                                     updates_per_step},
@@ -69,6 +70,7 @@ from grpo import eval as evals
 from grpo import export, health
 from grpo import lock as out_lock
 from grpo.advantages import group_advantages
+from grpo.tree import depth_advantages
 from grpo.config import RecipeConfig, dump_config, load_config, to_dict
 from grpo.data import matching_noise, micro_batches, prompts_for_step, step_noise_generator, trained_steps
 from grpo.distributed import gather_by_index
@@ -148,6 +150,7 @@ class FluxGRPORecipe:
         self.vae = parts.vae if cfg.model.offload_vae else parts.vae.to(self.device)  # decode() visits the device
         dev.set_attention_backend(parts.transformer, cfg.model.attention_backend)
         self.sampler = FluxSampler.from_parts(parts, self.vae, cfg.sampling, cfg.seed, self.device, self.dtype)
+        self.tree = self.sampler.tree  # BranchGRPO (sampling.branch): groups are trees, per-depth advantages
         self.rewards = build_rewards(cfg.rewards, self.device)
         self.engine, self.scheduler = build_policy(parts.transformer, cfg, self.ds_config)
         self.reference = self._setup_reference()
@@ -268,8 +271,11 @@ class FluxGRPORecipe:
         if self.cfg.model.compile:  # compile time is part of the phases' times above; reported apart
             timings["time/compile_s"] = compile_seconds() - compiling
         # Transformer compute per image in forward-equivalents (a backward counts 2): what strategies trade.
-        trained = len(chunks[0].trained)
-        cost = chunks[0].traj.nfe + trained * (3 + (self.kl_coef > 0) + self._uses_lagging_velocity)
+        per_trained = 3 + (self.kl_coef > 0) + self._uses_lagging_velocity
+        if self.tree is not None:
+            cost = self.tree.forwards_per_image(chunks[0].trained, per_trained)
+        else:
+            cost = chunks[0].traj.nfe + len(chunks[0].trained) * per_trained
         return StepResult(chunks, rewards, advantages, {**reward_stats, **adv_stats, **update.metrics(), **timings,
                                                         "forwards_per_image": float(cost)})
 
@@ -316,8 +322,10 @@ class FluxGRPORecipe:
                                            keep_means=cfg.grpo.ratio_norm)
                 for i in range(0, len(ids), lay.micro_batch_size):
                     rows = slice(i, i + lay.micro_batch_size)
-                    trained = list(window) if window is not None else trained_steps(
-                        points, lay.trained_transitions, cfg.seed, step, ids[rows][0])
+                    if window is not None or self.tree is not None:
+                        trained = list(window) if window is not None else self.tree.trained()
+                    else:
+                        trained = trained_steps(points, lay.trained_transitions, cfg.seed, step, ids[rows][0])
                     chunks.append(Chunk(ids[rows], prompt_idx[rows], cond.select(rows), traj.select(rows), trained))
         for c in chunks:  # decode after the gathered weights are released
             c.images = self.sampler.decode(c.traj.x0)
@@ -347,8 +355,13 @@ class FluxGRPORecipe:
 
     # -------------------------------------------------------------------------------------------- advantage
     def advantages(self, rewards: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        groups = torch.arange(len(rewards), device=rewards.device) // self.cfg.sampling.group_size
-        adv, stats = group_advantages(rewards, groups, std_scope=self.cfg.grpo.std_scope, clip=self.cfg.grpo.adv_clip)
+        """[N] group advantages, or with a tree [N, num_steps + 1]: column d for the edges into depth d."""
+        if self.tree is not None:
+            adv, stats = depth_advantages(rewards, self.tree, clip=self.cfg.grpo.adv_clip)
+        else:
+            groups = torch.arange(len(rewards), device=rewards.device) // self.cfg.sampling.group_size
+            adv, stats = group_advantages(rewards, groups, std_scope=self.cfg.grpo.std_scope,
+                                          clip=self.cfg.grpo.adv_clip)
         return adv, {k: float(v) for k, v in stats.items()}
 
     # -------------------------------------------------------------------------------------------- reference
@@ -451,8 +464,15 @@ class FluxGRPORecipe:
         g = self.cfg.grpo
         out = self.sampler.transition(self.engine, c.cond, c.traj.latents, j)
         kl = kl_same_std(out.mean, c.reference[j], out.std) if g.kl_coef > 0 else None
-        return grpo_loss(out.log_prob, c.traj.log_probs[:, j], adv, clip_range=g.clip_range, kl=kl,
-                         kl_coef=g.kl_coef, ratio_norm=self._ratio_norm(out, c, j))
+        if self.tree is None:
+            return grpo_loss(out.log_prob, c.traj.log_probs[:, j], adv, clip_range=g.clip_range, kl=kl,
+                             kl_coef=g.kl_coef, ratio_norm=self._ratio_norm(out, c, j))
+        # One row per edge into depth j + 1, with that node's advantage; summed over the edges and divided by the
+        # samples, so every edge of the tree weighs the same (the source's loss / (GA * edges per tree)).
+        edges = self.tree.heads(len(c.ids), j + 1).to(adv.device)
+        loss, st = grpo_loss(out.log_prob, c.traj.log_probs[edges, j], adv[edges, j + 1], clip_range=g.clip_range,
+                             kl=kl, kl_coef=g.kl_coef)
+        return loss * (len(edges) / len(c.ids)), st
 
     def _nft_loss(self, c: Chunk, j: int, adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """DiffusionNFT at schedule point j: the implicit positive/negative policies around the lagging one."""

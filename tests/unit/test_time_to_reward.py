@@ -13,6 +13,8 @@ def test_cost_model_of_the_presets():
     # DanceGRPO: 6 rollout steps + 5 trained transitions x 3; AWM: 6 + 2 noise levels x (3 + the anchor's forward).
     assert cost["dancegrpo"] == 6 + 5 * 3 and cost["awm"] == 6 + 2 * 4
     assert cost["mixgrpo"] == 6 + 2 * 3  # ODE outside a window of 2
+    # BranchGRPO, trees of 4 splitting at steps 0 and 2: 1+2+2+4+4+4 rollout calls and 3 x (1+2+2+4+4) a tree
+    assert cost["branchgrpo"] == (17 + 3 * 13) / 4
     cfg = load_config(ROOT / ttr.STRATEGIES["awm"][0], [])
     assert ttr.steps_within(cfg, 45 * 14) == 45 and ttr.steps_within(cfg, 45 * 14 - 1) == 44
     assert ttr.steps_within(cfg, 1) == 1  # at least one step
