@@ -25,6 +25,10 @@ def test_presets_exist():
 def test_every_preset_loads_and_splits(preset):
     cfg = load_config(preset)
     worlds = (1, 2) if preset.parent.name == "tiny" else (1, 2, 8, 64)
+    if cfg.sampling.branch is not None and preset.parent.name != "tiny":  # whole trees of 16 on every process
+        worlds = (1, 2, 8, 16)
+        with pytest.raises(ConfigError, match="batch.micro_batch_size"):
+            derive_layout(cfg, 64)
     for world in worlds:
         lay = derive_layout(cfg, world)
         ids = [lay.rank_sample_ids(r) for r in range(world)]
