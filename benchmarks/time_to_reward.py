@@ -189,8 +189,8 @@ def main() -> None:
             wall += sum(r.get("step_time_s", 0.0) for r in rows)
         curves[n] = mean_curve(per_seed)
         gains = [c[-1][1] - c[0][1] for c in per_seed]
-        print(f"{n:>14}: {steps:3d} steps, {step_cost(cfgs[n], 0):5.2f} fwd/image at step 0, train wall {wall:6.1f} s | "
-              f"held-out {curves[n][0][1]:.4f} -> {curves[n][-1][1]:.4f} | gain per seed "
+        print(f"{n:>14}: {steps:3d} steps, {step_cost(cfgs[n], 0):5.2f} fwd/image at step 0, train wall "
+              f"{wall:6.1f} s | held-out {curves[n][0][1]:.4f} -> {curves[n][-1][1]:.4f} | gain per seed "
               f"{' '.join(f'{g:+.4f}' for g in gains)} | {STRATEGIES[n][1]}")
     (out / "curves.json").write_text(json.dumps(curves, indent=1))
     plot(curves, out / "time_to_reward.png")

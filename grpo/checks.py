@@ -196,7 +196,8 @@ def _validate_branch(cfg: RecipeConfig) -> None:
                           "sampling.window: null, or branch: null")
     if s.sde == "cps" or cfg.grpo.ratio_norm:
         raise ConfigError("sampling.branch: needs Gaussian SDE steps (sde dance or flow) without grpo.ratio_norm")
-    if not b.splits or list(b.splits) != sorted(set(b.splits)) or not 0 <= b.splits[0] <= b.splits[-1] <= s.num_steps - 2:
+    ordered = bool(b.splits) and list(b.splits) == sorted(set(b.splits))
+    if not ordered or not 0 <= b.splits[0] <= b.splits[-1] <= s.num_steps - 2:
         raise ConfigError(f"sampling.branch.splits: {b.splits}; list increasing steps in 0 .. num_steps - 2 = "
                           f"{s.num_steps - 2}, e.g. [0, 2]")
     if b.factor < 2 or s.group_size != b.factor ** len(b.splits):

@@ -98,7 +98,8 @@ def depth_advantages(rewards: Tensor, tree: Tree, clip: float | None) -> tuple[T
             continue
         node_r = r.reshape(r.shape[0], n, span).mean(dim=2)
         std = node_r.std(dim=1, keepdim=True)
-        a = torch.where(std < 1e-6, torch.zeros_like(node_r), (node_r - node_r.mean(dim=1, keepdim=True)) / (std + 1e-8))
+        a = (node_r - node_r.mean(dim=1, keepdim=True)) / (std + 1e-8)
+        a = torch.where(std < 1e-6, torch.zeros_like(a), a)
         columns.append(a.repeat_interleave(span, dim=1))
     adv = torch.stack(columns, dim=-1).reshape(-1, tree.num_steps + 1)
     if clip is not None:
