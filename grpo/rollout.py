@@ -82,13 +82,14 @@ def sample(model: torch.nn.Module, cond: Conditioning, init_latents: torch.Tenso
     grid_steps = steps if tail is None else window[-1] + 1
     if tree is not None:
         for i in range(steps):
-            heads, owner = tree.heads(b, i).to(device), tree.owner(b, i).to(device)
-            v = velocity(model, x[heads], timestep(sigmas, i, len(heads)).to(device), cond.select(heads))
+            heads = tree.heads(b, i).to(device)
+            nodes = x[heads]
+            v = velocity(model, nodes, timestep(sigmas, i, len(heads)).to(device), cond.select(heads))
             if i == steps - 1:
-                x0 = predicted_x0(x[heads], v, float(sigmas[i]))[owner]
+                x0 = predicted_x0(nodes, v, float(sigmas[i]))[tree.owner(b, i).to(device)]
             children = tree.heads(b, i + 1)
             noise = torch.stack([torch.randn(x.shape[1:], generator=noise_generators[k]) for k in children.tolist()])
-            out = tree_step(x[heads], v, sigmas, i, sde, tree, b, noise=noise.to(device))
+            out = tree_step(nodes, v, sigmas, i, sde, tree, b, noise=noise.to(device))
             x = out.prev_sample
             latents.append(x)
             log_probs.append(out.log_prob)
