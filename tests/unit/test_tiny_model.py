@@ -105,7 +105,8 @@ def test_builder_makes_a_loadable_random_model(tmp_path):
     from diffusers import FluxPipeline
 
     out = tmp_path / "tiny"
-    summary = build_tiny.build(out, vae_steps=0, transformer_steps=0, seed=0, eval_seeds=0, latent_stat_images=16)
+    summary = build_tiny.build(out, vae_steps=0, transformer_steps=0, seed=0, eval_seeds=0, latent_stat_images=16,
+                               decoder_steps=0)
     info = json.loads((out / "build_info.json").read_text())
     assert info["transformer_steps"] == 0 and summary["vae_factors"] == info["vae_factors"]
     p = FluxPipeline.from_pretrained(str(out), local_files_only=True)
@@ -116,7 +117,8 @@ def test_builder_makes_a_loadable_random_model(tmp_path):
     # Deterministic given the seed: a second build gives the same transformer weights.
     from safetensors.torch import load_file
 
-    build_tiny.build(tmp_path / "again", vae_steps=0, transformer_steps=0, seed=0, eval_seeds=0, latent_stat_images=16)
+    build_tiny.build(tmp_path / "again", vae_steps=0, transformer_steps=0, seed=0, eval_seeds=0, latent_stat_images=16,
+                     decoder_steps=0)
     a = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")
     b = load_file(tmp_path / "again" / "transformer" / "diffusion_pytorch_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -133,3 +135,19 @@ def test_builder_makes_a_loadable_random_model(tmp_path):
     assert c.keys() == a.keys() and not all(torch.equal(a[k], c[k]) for k in a)
     chain = json.loads((more / "build_info.json").read_text())
     assert chain["init_from"] == info and chain["transformer_steps"] == 1 and chain["vae_steps"] == 0
+    assert chain["decoder_steps"] == 0
+
+    # --decoder-steps sharpens the decoder only: the encoder (so every latent) stays bit for bit, and the phase draws
+    # from its own generator, so the transformer trains exactly as it did without it.
+    sharp = tmp_path / "sharp"
+    build_tiny.build(sharp, transformer_steps=1, transformer_batch=2, images_per_prompt=1, seed=1, eval_seeds=0,
+                     init_from=out, decoder_steps=1, vae_batch=2)
+    v0 = load_file(out / "vae" / "diffusion_pytorch_model.safetensors")
+    v1 = load_file(sharp / "vae" / "diffusion_pytorch_model.safetensors")
+    assert v0.keys() == v1.keys()
+    assert all(torch.equal(v0[k], v1[k]) for k in v0 if not k.startswith("decoder."))
+    assert not all(torch.equal(v0[k], v1[k]) for k in v0 if k.startswith("decoder."))
+    d = load_file(sharp / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(c[k], d[k]) for k in c)
+    assert json.loads((sharp / "vae" / "config.json").read_text())["scaling_factor"] == info["vae_factors"][
+        "scaling_factor"]
