@@ -239,72 +239,48 @@ def _log_every(steps: int) -> int:
     return max(1, steps // 10)
 
 
-def train_vae(vae, steps: int, batch: int, lr: float, kl_weight: float, generator: torch.Generator) -> None:
+def train_vae(
+    vae, steps: int, batch: int, lr: float, kl_weight: float, generator: torch.Generator, decoder_only: bool = False
+) -> None:
     """Train the VAE as an autoencoder on rendered world images (inputs in [-1, 1]).
 
     Loss: L1 + MSE reconstruction of a posterior sample, plus a small KL so the posterior stays a smooth, bounded
-    distribution the flow model can target.
+    distribution the flow model can target. `decoder_only` freezes the encoder and drops the KL: the latent space,
+    its scaling/shift factors and every latent the transformer was or will be trained on stay as they are, while
+    the decoder sharpens.
     """
     prompts = world.all_prompts()
-    opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps))
-    )
-    vae.train()
-    start = time.perf_counter()
-    for step in range(steps):
-        idx = torch.randint(len(prompts), (batch,), generator=generator)
-        x = world.render([prompts[i] for i in idx], RESOLUTION, generator) * 2 - 1
-        posterior = vae.encode(x).latent_dist
-        z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
-        recon = vae.decode(z).sample
-        rec = (recon - x).abs().mean() + (recon - x).square().mean()
-        kl = posterior.kl().mean() / posterior.mean[0].numel()
-        loss = rec + kl_weight * kl
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if step % _log_every(steps) == 0 or step == steps - 1:
-            logger.info(
-                "vae step %d/%d rec %.4f kl %.3f (%.1f s)",
-                step + 1, steps, rec.item(), kl.item(), time.perf_counter() - start,
-            )
-    vae.eval()
-
-
-def train_decoder(vae, steps: int, batch: int, lr: float, generator: torch.Generator) -> None:
-    """Sharpen the VAE decoder on rendered world images with the encoder frozen.
-
-    The same reconstruction loss as `train_vae` on posterior samples; only the decoder's parameters move, so the
-    encoder, its latent statistics and every latent the transformer was or will be trained on stay as they are.
-    """
-    prompts = world.all_prompts()
-    params = list(vae.decoder.parameters())
+    params = list((vae.decoder if decoder_only else vae).parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps))
     )
     vae.requires_grad_(False)
-    vae.decoder.requires_grad_(True)
+    for q in params:
+        q.requires_grad_(True)
     vae.train()
+    name = "decoder" if decoder_only else "vae"
     start = time.perf_counter()
     for step in range(steps):
         idx = torch.randint(len(prompts), (batch,), generator=generator)
         x = world.render([prompts[i] for i in idx], RESOLUTION, generator) * 2 - 1
-        with torch.no_grad():
+        with torch.set_grad_enabled(not decoder_only):
             posterior = vae.encode(x).latent_dist
             z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
         recon = vae.decode(z).sample
         rec = (recon - x).abs().mean() + (recon - x).square().mean()
+        kl = posterior.kl().mean() / posterior.mean[0].numel()
+        loss = rec if decoder_only else rec + kl_weight * kl
         opt.zero_grad(set_to_none=True)
-        rec.backward()
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         if step % _log_every(steps) == 0 or step == steps - 1:
-            logger.info("decoder step %d/%d rec %.4f (%.1f s)", step + 1, steps, rec.item(), time.perf_counter() - start)
+            logger.info(
+                "%s step %d/%d rec %.4f kl %.3f (%.1f s)",
+                name, step + 1, steps, rec.item(), kl.item(), time.perf_counter() - start,
+            )
     vae.requires_grad_(False)
     vae.eval()
 
@@ -539,7 +515,7 @@ def build(
         t = mark("vae", t)
     if decoder_steps > 0:
         with _phase("decoder"):
-            train_decoder(vae, decoder_steps, vae_batch, vae_lr, decoder_generator)
+            train_vae(vae, decoder_steps, vae_batch, vae_lr, 0.0, decoder_generator, decoder_only=True)
         t = mark("decoder", t)
     with _phase("transformer"):
         if transformer_steps > 0:
