@@ -16,13 +16,15 @@ Phases (each logged with its time):
    rectified-flow matching on VAE latents of rendered images of every world prompt, conditioned exactly as inference
    conditions it (`FluxPipeline.encode_prompt`, T5 max_sequence_length 32, guidance 3.5);
 5. FlowMatchEulerDiscreteScheduler with FLUX.1-dev's config; `FluxPipeline.save_pretrained` (safetensors);
-6. a short evaluation: world score of pipeline samples on the held-out prompts, next to rendered ground truth.
+6. a short evaluation: world score of pipeline samples on the held-out prompts, next to rendered ground truth and
+   to ground truth after the VAE's round trip (the most a latent policy can reach).
 
-`--vae-steps 0 --transformer-steps 0` gives an untrained but complete model in seconds (tests use it).
+`--vae-steps 0 --decoder-steps 0 --transformer-steps 0` gives an untrained but complete model in seconds (tests use
+it).
 `--init-from OLD` continues an earlier build: its tokenizers, text encoders and VAE encoder are kept bit for bit; the
 transformer trains further and, with `--decoder-steps`, the VAE decoder too, so a longer pretraining does not redo the
-VAE phase. The decoder phase draws from its own generator, so it never changes what the transformer phase trains on. `build_info.json` then records the
-chain of builds (`init_from`), which is what reproduces the result.
+VAE phase. The decoder phase draws from its own generator, so it never changes what the transformer phase trains on.
+`build_info.json` then records the chain of builds (`init_from`), which is what reproduces the result.
 """
 
 from __future__ import annotations
