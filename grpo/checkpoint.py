@@ -52,7 +52,7 @@ from grpo import rng
 from grpo.compat import check_compatible
 from grpo.config import RecipeConfig, to_dict
 from grpo.errors import ConfigError
-from grpo.lock import LOCK
+from grpo.lock import is_startup_entry
 
 log = logging.getLogger(__name__)
 
@@ -242,8 +242,8 @@ def find_checkpoint(path: str | Path, setting: str = "checkpoint", required: boo
 
 
 def _non_empty(out: Path) -> bool:
-    """output_dir holds something besides its lock (grpo/lock.py), or is a file."""
-    return out.exists() and (not out.is_dir() or any(p.name != LOCK for p in out.iterdir()))
+    """output_dir holds something besides what a starting job puts there (grpo/lock.py), or is a file."""
+    return out.exists() and (not out.is_dir() or any(not is_startup_entry(p.name) for p in out.iterdir()))
 
 
 def resume_point(cfg: RecipeConfig, world_size: int, check: Callable[[Path], str | None] = verify) -> Path | None:

@@ -122,7 +122,7 @@ def check_output_dir(path: str) -> None:
     if not parent.is_dir():
         raise ConfigError(f"output_dir: {out} cannot be created: {parent} is a file; choose another output_dir")
     try:
-        probe = tempfile.mkdtemp(prefix=".grpo-write-probe-", dir=parent)
+        probe = tempfile.mkdtemp(prefix=lock.WRITE_PROBE, dir=parent)
         os.rmdir(probe)
     except OSError as e:
         raise ConfigError(f"output_dir: {out} cannot be {'written' if parent == out else 'created'}: {parent} is "

@@ -25,6 +25,15 @@ from grpo.errors import ConfigError
 log = logging.getLogger(__name__)
 
 LOCK = ".lock"
+# The writability probe grpo/inputs.py makes in output_dir and removes at once.
+WRITE_PROBE = ".grpo-write-probe-"
+
+
+def is_startup_entry(name: str) -> bool:
+    """Whether an entry of output_dir is one that a starting job makes there: the lock, the file it is linked from
+    (`.lock.HOST.PID`, present for an instant), or the writability probe. Another rank checking that output_dir is
+    empty must not count them: it would fail alone and exit quietly while rank 0 waits in the lock's broadcast."""
+    return name == LOCK or name.startswith(LOCK + ".") or name.startswith(WRITE_PROBE)
 
 
 def _process_start(pid: int) -> str | None:

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -68,3 +69,23 @@ def test_a_zombie_holder_is_stale(tmp_path):
         lock.check_free(out)
     finally:
         child.wait()
+
+
+def test_what_a_starting_rank_writes_does_not_make_output_dir_non_empty(tmp_path):
+    # Rank 0 links the lock from `.lock.HOST.PID` and probes writability with a folder, while the other ranks check
+    # that a new run's output_dir is empty: those entries must not count, or a rank fails alone (exit 2, silent) and
+    # rank 0 dies in the lock's broadcast with gloo's "connection closed by peer" (seen twice in ~45 launches).
+    from grpo.checkpoint import resume_point
+    from grpo.config import load_config
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / f"{lock.LOCK}.{socket.gethostname()}.4242").write_text("{}")
+    (out / f"{lock.WRITE_PROBE}x1y2").mkdir()
+    _write_lock(out, pid=4242)
+    preset = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "tiny" / "grpo_lora.yaml"
+    cfg = load_config(str(preset), [f"output_dir={out}"])
+    assert resume_point(cfg, 1) is None
+    (out / "metrics.jsonl").write_text("")
+    with pytest.raises(ConfigError, match="is not empty"):
+        resume_point(cfg, 1)
