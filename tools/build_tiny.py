@@ -247,9 +247,9 @@ def train_vae(
     """Train the VAE as an autoencoder on rendered world images (inputs in [-1, 1]).
 
     Loss: L1 + MSE reconstruction of a posterior sample, plus a small KL so the posterior stays a smooth, bounded
-    distribution the flow model can target. `decoder_only` freezes the encoder and drops the KL: the latent space,
-    its scaling/shift factors and every latent the transformer was or will be trained on stay as they are, while
-    the decoder sharpens.
+    distribution the flow model can target. `decoder_only` freezes the encoder (the KL then has no gradient: pass
+    kl_weight 0): the latent space, its scaling/shift factors and every latent the transformer was or will be trained
+    on stay as they are, while the decoder sharpens.
     """
     prompts = world.all_prompts()
     params = list((vae.decoder if decoder_only else vae).parameters())
@@ -272,7 +272,7 @@ def train_vae(
         recon = vae.decode(z).sample
         rec = (recon - x).abs().mean() + (recon - x).square().mean()
         kl = posterior.kl().mean() / posterior.mean[0].numel()
-        loss = rec if decoder_only else rec + kl_weight * kl
+        loss = rec + kl_weight * kl
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -288,10 +288,10 @@ def train_vae(
 
 
 @torch.no_grad()
-def reconstruction_scores(vae, prompts: list[str], generator: torch.Generator) -> torch.Tensor:
-    """World scores [B] of rendered images after a VAE round trip (posterior mode): the ceiling any policy can reach."""
-    x = world.render(prompts, RESOLUTION, generator)
-    recon = vae.decode(vae.encode(x * 2 - 1).latent_dist.mode()).sample
+def reconstruction_scores(vae, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+    """World scores [B] of images [B, 3, H, W] in [0, 1] after a VAE round trip (posterior mode): the ceiling any
+    policy can reach."""
+    recon = vae.decode(vae.encode(images * 2 - 1).latent_dist.mode()).sample
     return world.score((recon / 2 + 0.5).clamp(0, 1), prompts)
 
 
@@ -555,8 +555,9 @@ def build(
         with _phase("evaluate"):
             _, heldout = world.split_prompts()
             sampled = sample_scores(pipe, heldout, eval_steps, list(range(eval_seeds)))
-            truth = world.score(world.render(heldout, RESOLUTION, torch.Generator().manual_seed(seed)), heldout)
-            decoded = reconstruction_scores(vae, heldout, torch.Generator().manual_seed(seed))
+            rendered = world.render(heldout, RESOLUTION, torch.Generator().manual_seed(seed))
+            truth = world.score(rendered, heldout)
+            decoded = reconstruction_scores(vae, rendered, heldout)
             summary["eval"] = {
                 "prompts": "heldout",
                 "num_inference_steps": eval_steps,
