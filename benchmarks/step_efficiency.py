@@ -11,10 +11,10 @@ torch only knows the GPU ones). The machine's rate is the best sustained 1024^3 
 and after the timed iterations with the same threads (the cores are shared, so both see the same contention).
 
 Three runs side by side, interleaved round by round (the cores are shared: medians over `--repeats` rounds):
-plain PyTorch (the model, torch AdamW, torch's own F.linear), the recipe's path, a DeepSpeed ZeRO-3 engine on one
-process (ds_configs/zero3_fp32.json, rollout through grpo.engine.inference_module as the recipe does it), whose extra
-time is DeepSpeed's overhead (per-module fetch/release hooks, its F.linear replacement, gradient partitioning and the
-flat optimizer step), and the same engine with model.compile (the FLUX blocks compiled by inductor; compile time is
+plain PyTorch (the model, torch AdamW fused as the recipe chooses it, torch's own F.linear), the recipe's path, a
+DeepSpeed ZeRO-3 engine on one process (ds_configs/zero3_fp32.json as grpo.inputs.load_ds_config fills it, rollout
+through grpo.engine.inference_module as the recipe does it), whose extra time is DeepSpeed's overhead (per-module
+fetch/release hooks, its F.linear replacement, gradient partitioning and the flat optimizer step), and the same engine with model.compile (the FLUX blocks compiled by inductor; compile time is
 spent in the warm-up and reported apart). torch.profiler tables of the plain and the ZeRO-3 iteration say where time
 goes. Headline: `step_efficiency: E` of the ZeRO-3 run (goal E >= 0.7 on a CPU).
 """
@@ -77,7 +77,9 @@ class Iteration:
 
 
 def plain(model: torch.nn.Module, max_norm: float = 1.0):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=1e-4)
+    from grpo.device import fused_adamw
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=1e-4, fused=fused_adamw(None))  # the recipe's
     calls = {"n": 0}
 
     def backward(loss):
@@ -134,11 +136,17 @@ def torch_linear():
 
 
 def timed(fn, device: torch.device) -> float:
+    return timed_both(fn, device)[0]
+
+
+def timed_both(fn, device: torch.device) -> tuple[float, float]:
+    """Wall seconds and this process's CPU seconds. On a shared host the CPU time leaves out what other guests take
+    from the cores (steal time), which is most of the round-to-round spread of the wall time here."""
     sync(device)
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     fn()
     sync(device)
-    return time.perf_counter() - t
+    return time.perf_counter() - t, time.process_time() - c
 
 
 def profile_table(fn, rows: int = 10) -> tuple[str, float]:
@@ -190,16 +198,21 @@ def main(argv: list[str] | None = None) -> int:
         compile_s = compile_seconds() - compiling
         runs["zero3+compile"] = compiled
     times: dict[str, list[float]] = {k: [] for k in runs}
+    cpu: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(args.repeats):  # interleaved: each round sees the same load on the shared cores
         for k, fn in runs.items():
-            times[k].append(timed(fn, device))
+            wall, used = timed_both(fn, device)
+            times[k].append(wall)
+            cpu[k].append(used)
     rate = max(rate, matmul_flops(device))
     plain_table, plain_share = profile_table(runs["plain"])
     zero3_table, zero3_share = profile_table(runs["zero3"], rows=16)
 
     median = {k: statistics.median(v) for k, v in times.items()}
     eff = {k: flops / t / rate for k, t in median.items()}
-    per_round = lambda k: statistics.median(a / b for a, b in zip(times[k], times["plain"]))  # noqa: E731
+    def per_round(k: str, t: dict[str, list[float]] = times) -> float:
+        return statistics.median(a / b for a, b in zip(t[k], t["plain"]))
+
     n = sum(p.numel() for p in model.parameters())
     print(f"one GRPO iteration, preset {args.preset} ({n / 1e6:.1f} M params, full fine-tune, fp32): {args.batch} "
           f"images x {args.steps} steps at {args.resolution}px, {it.k} trained transitions; "
@@ -209,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, t in median.items():
         print(f"  {k:<14} iteration {t:8.2f} s  {flops / t / 1e9:8.1f} GFLOP/s  efficiency {eff[k]:.3f}  "
               f"(rounds: {', '.join(f'{x:.2f}' for x in times[k])})")
-    print(f"  DeepSpeed ZeRO-3 overhead (1 process): {per_round('zero3') - 1:+.1%} time (median of the per-round "
-          "ratios to plain)")
+    print(f"  DeepSpeed ZeRO-3 overhead (1 process): {per_round('zero3') - 1:+.1%} wall time, "
+          f"{per_round('zero3', cpu) - 1:+.1%} CPU time (medians of the per-round ratios to plain)")
     if with_compile:
         print(f"  ZeRO-3 + model.compile: {per_round('zero3+compile') - 1:+.1%} time vs plain; compile time (its "
               f"warm-up, apart from the above) {compile_s:.1f} s, warm-up iteration {warm:.1f} s")

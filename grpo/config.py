@@ -173,6 +173,10 @@ class OptimConfig:
     eps: float = setting(help="AdamW epsilon")
     max_grad_norm: float = setting(help="gradient clipping norm (DanceGRPO: 1.0)")
     warmup_steps: int = setting(0, help="linear LR warm-up in optimizer steps; 0 = off")
+    fused: bool | None = setting(
+        None, resume=FREE, help="torch's fused AdamW kernel (one pass per tensor, no temporaries); null = on for CPU "
+                                "and CUDA, off for NPU, where torch_npu's support depends on its version (set true "
+                                "to try it)")
 
 
 @dataclass(kw_only=True)

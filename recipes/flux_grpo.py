@@ -105,7 +105,8 @@ def build_policy(transformer: torch.nn.Module, cfg: RecipeConfig, ds_config: dic
     compile_blocks(transformer, cfg.model.compile)  # model.compile: the blocks compile on their first forward
     o = cfg.optim
     optimizer = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad], lr=o.lr,
-                                  betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+                                  betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                                  fused=dev.fused_adamw(o.fused))
     warmup = max(o.warmup_steps, 0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
     engine, _, _, scheduler = deepspeed.initialize(model=transformer, optimizer=optimizer, lr_scheduler=scheduler,
