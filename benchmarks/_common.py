@@ -90,6 +90,16 @@ def sync(device: torch.device) -> None:
         get_accelerator().synchronize(device.index)
 
 
+def wall_and_cpu(fn, device: torch.device) -> tuple[float, float, object]:
+    """Wall seconds, this process's CPU seconds and fn()'s result. On a shared host the CPU time leaves out what other
+    guests take from the cores (steal time), which is most of the round-to-round spread of the wall time there."""
+    sync(device)
+    t, c = time.perf_counter(), time.process_time()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - t, time.process_time() - c, out
+
+
 def matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 1.0,
                  ) -> float:
     """Sustained FLOP/s of square n x n matmuls on `device` (best of several timed bursts)."""

@@ -10,13 +10,15 @@ torch.utils.flop_counter.FlopCounterMode (matmuls and attention; the CPU flash-a
 torch only knows the GPU ones). The machine's rate is the best sustained 1024^3 fp32 matmul rate, measured before
 and after the timed iterations with the same threads (the cores are shared, so both see the same contention).
 
-Three runs side by side, interleaved round by round (the cores are shared: medians over `--repeats` rounds):
-plain PyTorch (the model, torch AdamW fused as the recipe chooses it, torch's own F.linear), the recipe's path, a
+Three runs side by side, interleaved round by round (the cores are shared: medians over `--repeats` rounds): plain
+PyTorch (the model, torch AdamW fused as the recipe chooses it, torch's own F.linear), the recipe's path, a
 DeepSpeed ZeRO-3 engine on one process (ds_configs/zero3_fp32.json as grpo.inputs.load_ds_config fills it, rollout
 through grpo.engine.inference_module as the recipe does it), whose extra time is DeepSpeed's overhead (per-module
-fetch/release hooks, its F.linear replacement, gradient partitioning and the flat optimizer step), and the same engine with model.compile (the FLUX blocks compiled by inductor; compile time is
-spent in the warm-up and reported apart). torch.profiler tables of the plain and the ZeRO-3 iteration say where time
-goes. Headline: `step_efficiency: E` of the ZeRO-3 run (goal E >= 0.7 on a CPU).
+fetch/release hooks, its F.linear replacement, gradient partitioning and the flat optimizer step), and the same
+engine with model.compile (the FLUX blocks compiled by inductor; compile time is spent in the warm-up and reported
+apart). torch.profiler tables of the plain and the ZeRO-3 iteration say where time goes. Headline: `step_efficiency:
+E` of the ZeRO-3 run (goal E >= 0.7 on a CPU). Each run's wall and CPU time are both reported: on a shared host the
+CPU time leaves out what other guests take from the cores.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import contextlib
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks._common import (ROOT, add_workload_args, build_transformer, count_flops, matmul_flops,  # noqa: E402
-                                smoke_workload, sync, transformer_config)
+                                smoke_workload, transformer_config, wall_and_cpu)
 from tools._recipe import load_recipe  # noqa: E402
 
 
@@ -136,17 +137,7 @@ def torch_linear():
 
 
 def timed(fn, device: torch.device) -> float:
-    return timed_both(fn, device)[0]
-
-
-def timed_both(fn, device: torch.device) -> tuple[float, float]:
-    """Wall seconds and this process's CPU seconds. On a shared host the CPU time leaves out what other guests take
-    from the cores (steal time), which is most of the round-to-round spread of the wall time here."""
-    sync(device)
-    t, c = time.perf_counter(), time.process_time()
-    fn()
-    sync(device)
-    return time.perf_counter() - t, time.process_time() - c
+    return wall_and_cpu(fn, device)[0]
 
 
 def profile_table(fn, rows: int = 10) -> tuple[str, float]:
@@ -201,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     cpu: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(args.repeats):  # interleaved: each round sees the same load on the shared cores
         for k, fn in runs.items():
-            wall, used = timed_both(fn, device)
+            wall, used, _ = wall_and_cpu(fn, device)
             times[k].append(wall)
             cpu[k].append(used)
     rate = max(rate, matmul_flops(device))
