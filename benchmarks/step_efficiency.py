@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 
     median = {k: statistics.median(v) for k, v in times.items()}
     eff = {k: flops / t / rate for k, t in median.items()}
+
     def per_round(k: str, t: dict[str, list[float]] = times) -> float:
         return statistics.median(a / b for a, b in zip(t[k], t["plain"]))
 

@@ -154,8 +154,8 @@ def fused_adamw(setting: bool | None) -> bool:
     """Whether AdamW runs torch's fused kernel (``optim.fused``; null = where torch ships it for sure).
 
     On the flat fp32 partition ZeRO-3 hands the optimizer, the unfused step allocates a dozen partition-sized
-    temporaries (sqrt, div, ...): 0.5 s of a 9 s full fine-tune iteration on the CPU (benchmarks/RESULTS.md). Fused
-    and unfused steps differ in the last bit of a weight, so the choice is the same on every rank.
+    temporaries (sqrt, div, ...): ~0.5 s of a ~10 s full fine-tune iteration on the CPU (benchmarks/RESULTS.md).
+    Fused and unfused steps differ in the last bit of a weight, so the choice is the same on every rank.
     """
     if setting is not None:
         return setting
