@@ -133,6 +133,7 @@ def _cases(tmp: Path) -> list[dict]:
         ("zero AdamW eps", ["optim.eps=0"], "optim.eps"),
         ("negative weight decay", ["optim.weight_decay=-0.1"], "optim.weight_decay"),
         ("negative warm-up", ["optim.warmup_steps=-1"], "optim.warmup_steps"),
+        ("fused AdamW not a boolean", ["optim.fused=maybe"], "optim.fused"),
         ("zero gradient clip", ["optim.max_grad_norm=0"], "optim.max_grad_norm"),
         ("negative eta", ["sampling.eta=-0.3"], "sampling.eta"),
         ("ratio clip range of 1", ["grpo.clip_range=1"], "grpo.clip_range"),
