@@ -48,6 +48,8 @@ STRATEGIES: dict[str, tuple[str, str]] = {
     "dancegrpo": ("recipes/configs/tiny/grpo_lora.yaml", "every step SDE, every transition trained (DanceGRPO)"),
     "mixgrpo": ("recipes/configs/tiny/mixgrpo_lora.yaml", "Flow-SDE window of 2 sliding every 4 steps (MixGRPO)"),
     "mixgrpo_flash": ("recipes/configs/tiny/mixgrpo_flash_lora.yaml", "MixGRPO + DPM-Solver++(2M) tail (Flash)"),
+    "flash_frozen": ("recipes/configs/tiny/mixgrpo_flash_frozen_lora.yaml",
+                     "Flow-SDE at step 0 only + DPM-Solver++(2M) tail (Flash*)"),
     "flowgrpo_fast": ("recipes/configs/tiny/flowgrpo_fast_lora.yaml", "CPS window of 2, random start (Fast)"),
     "branchgrpo": ("recipes/configs/tiny/branchgrpo_lora.yaml", "trees of 4 splitting at steps 0, 2 (BranchGRPO)"),
     "nft": ("recipes/configs/tiny/nft_lora.yaml", "DiffusionNFT: ODE rollouts, implicit +/- policies"),
