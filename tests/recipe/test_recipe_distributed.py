@@ -79,9 +79,9 @@ def test_same_step_on_one_and_two_processes(lora_runs, full_kl_runs, which):
 # off-policy), BranchGRPO's trees with a KL to the base model (per edge), DiffusionNFT with its KL to the base model,
 # AWM with its EMA anchor. The last number is the step's forwards per image: the step-0 window is [0, 2), so Flash's
 # tail has floor((6 - 1) * 0.5) = 2 points (one solver step after the window); Flash*'s window is [0, 1) at every
-# step, with floor(6 * 0.5) = 3 tail points (two solver steps) and one trained transition; a tree of 4 pays per node (17 rollout
-# calls, 13 trained edges' parents); nft/awm roll out all 6 steps, then per noise level 3 + the lagging forward (+ the
-# KL's).
+# step, with floor(6 * 0.5) = 3 tail points (two solver steps) and one trained transition; a tree of 4 pays per node
+# (17 rollout calls, 13 trained edges' parents); nft/awm roll out all 6 steps, then per noise level 3 + the lagging
+# forward (+ the KL's).
 PRESETS = {
     "mixgrpo_flash": ("recipes/configs/tiny/mixgrpo_flash_lora.yaml", ["grpo.ratio_norm=true"], 3 + 3 * 2),
     "flash_frozen": ("recipes/configs/tiny/mixgrpo_flash_frozen_lora.yaml", [], 1 + 2 + 3 * 1),
