@@ -41,23 +41,31 @@ from tools.launch import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# name -> (preset, what it is). The fast presets scale their sources' windows to the tiny world's 6 steps; nft and awm
-# follow Flow-Factory's FLUX examples (2 noise levels per image). Every preset shares the default run's batch, LoRA,
-# learning rate and seed.
-STRATEGIES: dict[str, tuple[str, str]] = {
-    "dancegrpo": ("recipes/configs/tiny/grpo_lora.yaml", "every step SDE, every transition trained (DanceGRPO)"),
-    "mixgrpo": ("recipes/configs/tiny/mixgrpo_lora.yaml", "Flow-SDE window of 2 sliding every 4 steps (MixGRPO)"),
-    "mixgrpo_flash": ("recipes/configs/tiny/mixgrpo_flash_lora.yaml", "MixGRPO + DPM-Solver++(2M) tail (Flash)"),
-    "flash_frozen": ("recipes/configs/tiny/mixgrpo_flash_frozen_lora.yaml",
+# name -> (preset, overrides, what it is). The fast presets scale their sources' windows to the tiny world's 6 steps;
+# nft and awm follow Flow-Factory's FLUX examples (2 noise levels per image). Every preset shares the default run's
+# batch, LoRA, learning rate and seed.
+STRATEGIES: dict[str, tuple[str, list[str], str]] = {
+    "dancegrpo": ("recipes/configs/tiny/grpo_lora.yaml", [], "every step SDE, every transition trained (DanceGRPO)"),
+    "mixgrpo": ("recipes/configs/tiny/mixgrpo_lora.yaml", [], "Flow-SDE window of 2 sliding every 4 steps (MixGRPO)"),
+    "mixgrpo_flash": ("recipes/configs/tiny/mixgrpo_flash_lora.yaml", [], "MixGRPO + DPM-Solver++(2M) tail (Flash)"),
+    "flash_frozen": ("recipes/configs/tiny/mixgrpo_flash_frozen_lora.yaml", [],
                      "Flow-SDE at step 0 only + DPM-Solver++(2M) tail (Flash*)"),
-    "flowgrpo_fast": ("recipes/configs/tiny/flowgrpo_fast_lora.yaml", "CPS window of 2, random start (Fast)"),
-    "branchgrpo": ("recipes/configs/tiny/branchgrpo_lora.yaml", "trees of 4 splitting at steps 0, 2 (BranchGRPO)"),
-    "nft": ("recipes/configs/tiny/nft_lora.yaml", "DiffusionNFT: ODE rollouts, implicit +/- policies"),
-    "awm": ("recipes/configs/tiny/awm_lora.yaml", "AWM: ODE rollouts, advantage-weighted matching"),
+    "flowgrpo_fast": ("recipes/configs/tiny/flowgrpo_fast_lora.yaml", [], "CPS window of 2, random start (Fast)"),
+    "branchgrpo": ("recipes/configs/tiny/branchgrpo_lora.yaml", [], "trees of 4 splitting at steps 0, 2 (BranchGRPO)"),
+    "nft": ("recipes/configs/tiny/nft_lora.yaml", [], "DiffusionNFT: ODE rollouts, implicit +/- policies"),
+    "nft_dpm": ("recipes/configs/tiny/nft_lora.yaml", ["sampling.tail=dpm2", "sampling.compress_ratio=0.5"],
+                "DiffusionNFT, rollouts by DPM-Solver++(2M) in 3 calls (its source's solver)"),
+    "awm": ("recipes/configs/tiny/awm_lora.yaml", [], "AWM: ODE rollouts, advantage-weighted matching"),
 }
 
 SMOKE = ["batch.prompts_per_step=4", "sampling.group_size=2", "batch.micro_batch_size=4", "logging.eval_seeds=1",
          "logging.tensorboard=false", "logging.sample_every=0", "logging.progress=false"]
+
+
+def strategy_config(name: str, extra: list[str]):
+    """The settings a strategy's runs use: its preset, its own overrides, then `extra`."""
+    preset, own, _ = STRATEGIES[name]
+    return load_config(ROOT / preset, [*own, *extra])
 
 
 def step_cost(cfg, step: int) -> float:
@@ -71,14 +79,18 @@ def step_cost(cfg, step: int) -> float:
         return tree.forwards_per_image(tree.trained(), 3 + (cfg.grpo.kl_coef > 0))
     if m is not None:
         lagging = cfg.algorithm == "nft" or m.anchor_coef > 0
-        return s.num_steps + m.timesteps * (3 + (m.kl_coef > 0) + lagging)
+        return rollout_calls(s, 0) + m.timesteps * (3 + (m.kl_coef > 0) + lagging)
     if window is None:
         rollout, trained = s.num_steps, trained_transitions(s.num_steps, cfg.grpo.timestep_fraction)
     else:
-        tail = 0 if s.tail != "dpm2" else tail_points(s.num_steps, window[-1], s.compress_ratio) - 1
-        rollout = (window[-1] + 1 + tail) if tail else s.num_steps
-        trained = len(window)
+        rollout, trained = rollout_calls(s, window[-1]), len(window)
     return rollout + 3 * trained + (trained if cfg.grpo.kl_coef > 0 else 0)
+
+
+def rollout_calls(s, last: int) -> int:
+    """Transformer calls of a rollout that leaves the schedule after step `last` for a dpm2 tail, if it has one:
+    steps 0..last on the grid, then the tail's solver steps (its points but the first)."""
+    return s.num_steps if s.tail != "dpm2" else last + tail_points(s.num_steps, last, s.compress_ratio)
 
 
 def steps_within(cfg, budget: float) -> int:
@@ -94,7 +106,8 @@ def run(name: str, overrides: list[str], steps: int, eval_every: int, run_dir: P
     metrics = run_dir / "metrics.jsonl"
     if reuse and (run_dir / "final").exists() and metrics.exists():
         return [json.loads(line) for line in metrics.read_text().splitlines()]
-    cmd = ["bash", str(ROOT / "launch" / "run.sh"), STRATEGIES[name][0], *overrides, f"output_dir={run_dir}",
+    preset, own, _ = STRATEGIES[name]
+    cmd = ["bash", str(ROOT / "launch" / "run.sh"), preset, *own, *overrides, f"output_dir={run_dir}",
            f"max_steps={steps}", f"logging.eval_every={eval_every}", "checkpoint.every=0", "logging.progress=false"]
     env = {**os.environ, "MASTER_PORT": str(free_port())}  # two benchmarks (or a run) on one machine must not collide
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
@@ -175,7 +188,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     names = ["dancegrpo"] + [n for n in args.only if n != "dancegrpo"]
-    cfgs = {n: load_config(ROOT / STRATEGIES[n][0], extra) for n in names}
+    cfgs = {n: strategy_config(n, extra) for n in names}
     budget = sum(step_cost(cfgs["dancegrpo"], k) for k in range(budget_steps))
     curves = {}
     print(f"budget: {budget:.0f} forward-equivalents per image ({budget_steps} DanceGRPO steps), "
@@ -193,7 +206,7 @@ def main() -> None:
         gains = [c[-1][1] - c[0][1] for c in per_seed]
         print(f"{n:>14}: {steps:3d} steps, {step_cost(cfgs[n], 0):5.2f} fwd/image at step 0, train wall "
               f"{wall:6.1f} s | held-out {curves[n][0][1]:.4f} -> {curves[n][-1][1]:.4f} | gain per seed "
-              f"{' '.join(f'{g:+.4f}' for g in gains)} | {STRATEGIES[n][1]}")
+              f"{' '.join(f'{g:+.4f}' for g in gains)} | {STRATEGIES[n][2]}")
     (out / "curves.json").write_text(json.dumps(curves, indent=1))
     plot(curves, out / "time_to_reward.png")
 

@@ -172,8 +172,9 @@ def _validate_strategy(cfg: RecipeConfig) -> None:
             raise ConfigError(f"sampling.window.high: {w.high}; use size .. num_steps - 1 = {s.num_steps - 1} "
                               f"(Flow-GRPO-Fast: num_steps // 2)")
     if s.tail == "dpm2":
-        if w is None:
-            raise ConfigError("sampling.tail: dpm2 replaces the steps after an SDE window; set sampling.window")
+        if w is None and cfg.matching is None:
+            raise ConfigError("sampling.tail: dpm2 replaces the steps after an SDE window (or, for nft and awm, the "
+                              "ODE rollout's steps after its first); set sampling.window")
         if isinstance(s.shift, str):
             raise ConfigError("sampling.tail: dpm2 compresses a static schedule; set a numeric sampling.shift (e.g. 3)")
         if s.compress_ratio is None or not 0 < s.compress_ratio <= 1:

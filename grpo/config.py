@@ -111,8 +111,9 @@ class SamplingConfig:
         None, help="SDE window: only its steps are stochastic and trained, the others deterministic ODE steps "
                    "(MixGRPO, Flow-GRPO-Fast); null = every step SDE, grpo.timestep_fraction of them trained")
     tail: str = setting("euler", choices=("euler", "dpm2"),
-                        help="steps after the window: euler (the schedule's own steps) or dpm2 (MixGRPO-Flash: "
-                             "DPM-Solver++(2M) on a schedule compressed by compress_ratio)")
+                        help="steps after the window (nft/awm: after the rollout's first step): euler (the "
+                             "schedule's own steps) or dpm2 (MixGRPO-Flash's tail, DiffusionNFT's rollout solver: "
+                             "DPM-Solver++(2M) on a schedule compressed by compress_ratio); evals keep the schedule")
     compress_ratio: float | None = setting(None, help="dpm2: the tail keeps floor((num_steps - L) * ratio) points, "
                                                       "at least 2 (MixGRPO-Flash: 0.4)")
     branch: BranchConfig | None = setting(

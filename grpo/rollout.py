@@ -222,6 +222,10 @@ class FluxSampler:
         if eta is None and self.tree is not None:
             return sample(model, cond, init_latents, self.sigmas, self.sde, noise_generators, tree=self.tree)
         sde = self.sde if eta is None else SDEParams(eta, self.sde.kind)
+        if window is None and eta is None and self.sampling.tail == "dpm2":
+            # nft/awm's ODE rollouts (eta 0): one Euler step from sigma 1, where DPM-Solver++'s lambda is -inf, then
+            # the 2nd-order tail; DiffusionNFT samples with DPM-Solver++(2M), first and last steps first order.
+            window = range(1)
         tail = None
         if window is not None and self.sampling.tail == "dpm2":
             last = window[-1]

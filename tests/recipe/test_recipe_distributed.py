@@ -77,18 +77,19 @@ def test_same_step_on_one_and_two_processes(lora_runs, full_kl_runs, which):
 # The strategy and objective presets, each with one more option switched on where it fits: MixGRPO-Flash with
 # GRPO-Guard's RatioNorm (Flow-SDE), Flow-GRPO-Fast with CPS and two updates a step (so the second block is
 # off-policy), BranchGRPO's trees with a KL to the base model (per edge), DiffusionNFT with its KL to the base model,
-# AWM with its EMA anchor. The last number is the step's forwards per image: the step-0 window is [0, 2), so Flash's
-# tail has floor((6 - 1) * 0.5) = 2 points (one solver step after the window); Flash*'s window is [0, 1) at every
-# step, with floor(6 * 0.5) = 3 tail points (two solver steps) and one trained transition; a tree of 4 pays per node
-# (17 rollout calls, 13 trained edges' parents); nft/awm roll out all 6 steps, then per noise level 3 + the lagging
-# forward (+ the KL's).
+# AWM with its EMA anchor and DPM-Solver++(2M) rollouts. The last number is the step's forwards per image: the step-0
+# window is [0, 2), so Flash's tail has floor((6 - 1) * 0.5) = 2 points (one solver step after the window); Flash*'s
+# window is [0, 1) at every step, with floor(6 * 0.5) = 3 tail points (two solver steps) and one trained transition,
+# as AWM's rollout (an Euler step, then two solver steps); a tree of 4 pays per node (17 rollout calls, 13 trained
+# edges' parents); nft rolls out all 6 steps; then per noise level 3 + the lagging forward (+ the KL's).
 PRESETS = {
     "mixgrpo_flash": ("recipes/configs/tiny/mixgrpo_flash_lora.yaml", ["grpo.ratio_norm=true"], 3 + 3 * 2),
     "flash_frozen": ("recipes/configs/tiny/mixgrpo_flash_frozen_lora.yaml", [], 1 + 2 + 3 * 1),
     "flowgrpo_fast": ("recipes/configs/tiny/flowgrpo_fast_lora.yaml", ["batch.updates_per_step=2"], 6 + 3 * 2),
     "branchgrpo": ("recipes/configs/tiny/branchgrpo_lora.yaml", ["grpo.kl_coef=0.1"], (17 + 13 * (3 + 1)) / 4),
     "nft": ("recipes/configs/tiny/nft_lora.yaml", ["matching.kl_coef=1e-4"], 6 + 2 * (3 + 1 + 1)),
-    "awm": ("recipes/configs/tiny/awm_lora.yaml", [], 6 + 2 * (3 + 1)),
+    "awm": ("recipes/configs/tiny/awm_lora.yaml", ["sampling.tail=dpm2", "sampling.compress_ratio=0.5"],
+            3 + 2 * (3 + 1)),
 }
 
 
@@ -102,8 +103,9 @@ def preset_runs(request, tmp_path_factory):
 
 
 def test_strategies_and_objectives_keep_the_invariants(preset_runs):
-    """Windowed SDE (MixGRPO / Flow-GRPO-Fast), the DPM-Solver++ tail, CPS, RatioNorm, DiffusionNFT and AWM: the
-    first-pass ratio is exactly 1 where there is one, and one step is the same on 1 and on 2 processes."""
+    """Windowed SDE (MixGRPO / Flow-GRPO-Fast), the DPM-Solver++ tail, CPS, RatioNorm, DiffusionNFT and AWM (with
+    DPM-Solver++ rollouts): the first-pass ratio is exactly 1 where there is one, and one step is the same on 1 and
+    on 2 processes."""
     name, runs = preset_runs
     if name not in ("nft", "awm"):
         for n in (1, 2):

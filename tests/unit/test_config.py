@@ -257,6 +257,15 @@ def test_strategy_settings_refused_with_one_line(overrides, match):
         load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml", overrides)
 
 
+def test_ode_rollouts_take_a_dpm2_tail_without_a_window():
+    """nft/awm have no SDE window; their tail: dpm2 replaces the ODE rollout's steps after the first."""
+    for preset in ("nft_lora.yaml", "awm_lora.yaml"):
+        cfg = load_config(ROOT / "recipes/configs/tiny" / preset, ["sampling.tail=dpm2", "sampling.compress_ratio=0.5"])
+        assert cfg.sampling.window is None and cfg.sampling.tail == "dpm2"
+    with pytest.raises(ConfigError, match="sampling.compress_ratio: None; dpm2 needs"):
+        load_config(ROOT / "recipes/configs/tiny/nft_lora.yaml", ["sampling.tail=dpm2"])
+
+
 def test_a_window_trains_its_steps():
     cfg = load_config(ROOT / "recipes/configs/tiny/mixgrpo_lora.yaml")
     lay = derive_layout(cfg, 2)

@@ -4,11 +4,12 @@ import pytest
 import torch
 from diffusers import FluxPipeline
 
+from grpo.config import load_config
 from grpo.flux import decode, load_parts, make_conditioning, pack, velocity
-from grpo.rollout import SDEParams, sample, timestep, transition
+from grpo.rollout import FluxSampler, SDEParams, sample, timestep, transition
 from grpo.sde import dynamic_sigmas, predicted_x0, sde_step, shifted_sigmas
 from grpo.solvers import dpm_solver_pp_sample, flash_sigmas
-from tests import TINY
+from tests import ROOT, TINY
 
 pytestmark = pytest.mark.skipif(not (TINY / "model_index.json").exists(), reason="tiny model not built")
 RES, STEPS = 64, 6
@@ -135,3 +136,30 @@ def test_dpm2_tail_after_the_window_and_recorded_means(inputs):
     assert torch.equal(traj.x0, expected)
     for j in win:
         assert torch.equal(transition(parts.transformer, cond, traj.latents, sigmas, j, sde).mean, traj.means[:, j])
+
+
+def test_ode_rollouts_with_a_dpm2_tail_and_evals_on_the_schedule(inputs):
+    """nft/awm with sampling.tail: dpm2 (DiffusionNFT's rollout solver): a training rollout (eta None) takes the grid's
+    Euler step from sigma 1 (where DPM-Solver++'s lambda is -inf), then DPM-Solver++(2M) on the compressed tail: 3
+    transformer calls instead of 6. A held-out eval (eta 0) keeps the schedule's own 6 Euler steps, so held-out
+    rewards stay comparable between strategies."""
+    parts, _, _, noise, cond = inputs
+    s = load_config(ROOT / "recipes/configs/tiny/nft_lora.yaml",
+                    ["sampling.tail=dpm2", "sampling.compress_ratio=0.5"]).sampling
+    sampler = FluxSampler.from_parts(parts, parts.vae, s, 42, torch.device("cpu"), torch.float32)
+    rollout = sampler.sample(parts.transformer, cond, pack(noise))
+    evaluated = sampler.sample(parts.transformer, cond, pack(noise), eta=0.0)
+    sigmas = sampler.sigmas
+    euler = sample(parts.transformer, cond, pack(noise), sigmas, SDEParams(0.0, s.sde))
+    assert torch.equal(evaluated.x0, euler.x0) and evaluated.nfe == STEPS
+    tail = flash_sigmas(sigmas, 0, 0.5, 3.0)[1:]
+    assert rollout.nfe == len(tail) == 3 and rollout.log_probs is None
+    assert torch.equal(rollout.latents[:, 1], euler.latents[:, 1])
+    x0_first = predicted_x0(pack(noise), velocity(parts.transformer, pack(noise), timestep(sigmas, 0, 3), cond),
+                            float(sigmas[0]))
+
+    def x0_of(x, k):
+        return predicted_x0(x, velocity(parts.transformer, x, timestep(tail, k, 3), cond), float(tail[k]))
+
+    expected = dpm_solver_pp_sample(euler.latents[:, 1], x0_of, tail, x0_prev=x0_first, sigma_prev=float(sigmas[0]))
+    assert torch.equal(rollout.x0, expected)

@@ -4,18 +4,18 @@
 import pytest
 
 from benchmarks import time_to_reward as ttr
-from grpo.config import load_config
-from tests import ROOT
 
 
 def test_cost_model_of_the_presets():
-    cost = {n: ttr.step_cost(load_config(ROOT / path, []), 0) for n, (path, _) in ttr.STRATEGIES.items()}
+    cost = {n: ttr.step_cost(ttr.strategy_config(n, []), 0) for n in ttr.STRATEGIES}
     # DanceGRPO: 6 rollout steps + 5 trained transitions x 3; AWM: 6 + 2 noise levels x (3 + the anchor's forward).
     assert cost["dancegrpo"] == 6 + 5 * 3 and cost["awm"] == 6 + 2 * 4
     assert cost["mixgrpo"] == 6 + 2 * 3  # ODE outside a window of 2
+    # Flash*: 1 SDE step + 2 solver steps + 1 trained; DiffusionNFT's DPM rollout: 1 Euler + 2 solver steps
+    assert cost["flash_frozen"] == 1 + 2 + 3 and cost["nft_dpm"] == 1 + 2 + 2 * 4 < cost["nft"] == 6 + 2 * 4
     # BranchGRPO, trees of 4 splitting at steps 0 and 2: 1+2+2+4+4+4 rollout calls and 3 x (1+2+2+4+4) a tree
     assert cost["branchgrpo"] == (17 + 3 * 13) / 4
-    cfg = load_config(ROOT / ttr.STRATEGIES["awm"][0], [])
+    cfg = ttr.strategy_config("awm", [])
     assert ttr.steps_within(cfg, 45 * 14) == 45 and ttr.steps_within(cfg, 45 * 14 - 1) == 44
     assert ttr.steps_within(cfg, 1) == 1  # at least one step
 
