@@ -217,8 +217,9 @@ class FluxSampler:
     def sample(self, model: torch.nn.Module, cond: Conditioning, init_latents: torch.Tensor,
                noise_generators: list[torch.Generator] | None = None, window: range | None = None,
                eta: float | None = None, keep_means: bool = False) -> Trajectories:
-        """:func:`sample` along this sampler's schedule, with the preset's solver after `window` or its tree; `eta`
-        overrides the preset's (0 = ODE, as in eval, never branched)."""
+        """:func:`sample` along this sampler's schedule, with the preset's solver after `window` (nft/awm: after the
+        first step) or its tree; `eta` overrides the preset's (0 = ODE, as in eval: the schedule's own steps, never a
+        tail or a tree)."""
         if eta is None and self.tree is not None:
             return sample(model, cond, init_latents, self.sigmas, self.sde, noise_generators, tree=self.tree)
         sde = self.sde if eta is None else SDEParams(eta, self.sde.kind)
