@@ -7,7 +7,7 @@ level 3: its forward and a backward that costs 2). The
 baseline runs `--budget-steps` steps; each strategy runs as many steps as fit in the baseline's compute. The
 held-out reward (eta = 0, the same fixed noise for every run, so the comparison is paired) is read every few steps.
 
-    python benchmarks/time_to_reward.py [--budget-steps 20] [--only NAME ...] [--seeds 42 ...] [--eval-seeds N]
+    python benchmarks/time_to_reward.py [--budget-steps 40] [--only NAME ...] [--seeds 42 ...] [--eval-seeds N]
                                         [--out runs/time_to_reward] [--reuse] [--smoke]
 
 With several `--seeds` every strategy trains once per seed (each seed's evals are paired across strategies: the eval
@@ -18,6 +18,10 @@ Headline (last line): time_to_reward_speedup = compute the baseline needs to rea
 compute the best strategy needs to reach the same gain (linear between eval points; 0 when none reaches it).
 The compute a strategy spends per step comes from grpo's own window and solver functions, and is checked against
 the `forwards_per_image` each run logs.
+
+The default budget is 40 DanceGRPO steps. With 20, the baseline's final gain (+0.011 over two seeds, one of them
++0.004) was within about one standard error of a 144-image eval, so the headline read where every curve is still in
+the noise; at 40 its gain is +0.022 to +0.030 on each of three seeds (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -167,7 +171,7 @@ def plot(curves: dict[str, list[tuple[float, float]]], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget-steps", type=int, default=20, help="baseline steps; its compute is everyone's budget")
+    parser.add_argument("--budget-steps", type=int, default=40, help="baseline steps; its compute is everyone's budget")
     parser.add_argument("--evals", type=int, default=5, help="held-out evals per run after step 0")
     parser.add_argument("--only", nargs="*", default=list(STRATEGIES), help="strategies to run (baseline first)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[42], help="training seeds; curves are averaged")
