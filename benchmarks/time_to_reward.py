@@ -19,9 +19,10 @@ compute the best strategy needs to reach the same gain (linear between eval poin
 The compute a strategy spends per step comes from grpo's own window and solver functions, and is checked against
 the `forwards_per_image` each run logs.
 
-The default budget is 40 DanceGRPO steps. With 20, the baseline's final gain (+0.011 over two seeds, one of them
-+0.004) was within about one standard error of a 144-image eval, so the headline read where every curve is still in
-the noise; at 40 its gain is +0.022 to +0.030 on each of three seeds (benchmarks/RESULTS.md).
+The default budget is 40 DanceGRPO steps. With 20, the baseline's final gain was +0.011 over two seeds (+0.017 and
++0.004, where one seed's 144-image eval has a paired standard error of about 0.007), so the headline read the start of
+the curves, where they are still in the noise; at 40 its gain is +0.022 to +0.030 on each of three seeds
+(benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
