@@ -16,9 +16,12 @@ DeepSpeed ZeRO-3 engine on one process (ds_configs/zero3_fp32.json as grpo.input
 through grpo.engine.inference_module as the recipe does it), whose extra time is DeepSpeed's overhead (per-module
 fetch/release hooks, its F.linear replacement, gradient partitioning and the flat optimizer step), and the same
 engine with model.compile (the FLUX blocks compiled by inductor; compile time is spent in the warm-up and reported
-apart). torch.profiler tables of the plain and the ZeRO-3 iteration say where time goes. Headline: `step_efficiency:
-E` of the ZeRO-3 run (goal E >= 0.7 on a CPU). Each run's wall and CPU time are both reported: on a shared host the
-CPU time leaves out what other guests take from the cores.
+apart). torch.profiler tables of the plain and the ZeRO-3 iteration say where time goes, and ZeRO-3's extra time
+is also given in seconds and split by phase (rollout, forward, backward, optimizer step): it is mostly a cost per
+module and parameter (hooks, flat buffers) that grows far slower than the work, so its share falls as images grow
+(`--resolution 256`: 4.6x the FLOPs; RESULTS.md).
+Headline: `step_efficiency: E` of the ZeRO-3 run (goal E >= 0.7 on a CPU). Each run's wall and CPU time are both
+reported: on a shared host the CPU time leaves out what other guests take from the cores.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import contextlib
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,6 +43,9 @@ import torch  # noqa: E402
 from benchmarks._common import (ROOT, add_workload_args, build_transformer, count_flops, matmul_flops,  # noqa: E402
                                 smoke_workload, transformer_config, wall_and_cpu)
 from tools._recipe import load_recipe  # noqa: E402
+
+
+PHASES = ("rollout", "forward", "backward", "optimizer step")
 
 
 class Iteration:
@@ -60,21 +67,36 @@ class Iteration:
         self.trained = list(range(0, steps - 1, max(1, (steps - 1) // self.k)))[: self.k]
         self.advantages = torch.randn(batch, generator=g).to(device)
         self.batch = batch
+        self.phases: dict[str, float] = {}  # wall seconds of the last call, by phase
 
     def __call__(self, model, backward, step, rollout=None) -> None:
         """`rollout()`: a context giving the module to sample with (the model itself by default)."""
         from grpo.loss import grpo_loss
         from grpo.rollout import SDEParams, sample, transition
 
+        phases = dict.fromkeys(PHASES, 0.0)
+        last = time.perf_counter()
+
+        def lap(phase: str) -> None:  # the benchmark runs on the CPU: no device sync needed between phases
+            nonlocal last
+            now = time.perf_counter()
+            phases[phase] += now - last
+            last = now
+
         sde = SDEParams(0.7, "dance")
         with torch.no_grad(), (rollout or (lambda: contextlib.nullcontext(model)))() as sampler:
             traj = sample(sampler, self.cond, self.init, self.sigmas, sde,
                           [torch.Generator().manual_seed(i) for i in range(self.batch)])
+        lap("rollout")
         for j in self.trained:
             out = transition(model, self.cond, traj.latents, self.sigmas, j, sde)
             loss, _ = grpo_loss(out.log_prob, traj.log_probs[:, j], self.advantages, clip_range=1e-4)
+            lap("forward")
             backward(loss)
+            lap("backward")
             step()
+            lap("optimizer step")
+        self.phases = phases
 
 
 def plain(model: torch.nn.Module, max_norm: float = 1.0):
@@ -110,7 +132,8 @@ def deepspeed_engine(tcfg: dict, it: Iteration, steps: int, compile_blocks: bool
                        f"model.compile={str(compile_blocks).lower()}"])
     layout = derive_layout(cfg, 1)
     assert layout.grad_accum_steps == it.k, (layout.grad_accum_steps, it.k)
-    engine, _ = load_recipe().build_policy(build_transformer(tcfg), cfg, load_ds_config(cfg.deepspeed.config, cfg, layout))
+    ds = load_ds_config(cfg.deepspeed.config, cfg, layout)
+    engine, _ = load_recipe().build_policy(build_transformer(tcfg), cfg, ds)
     return engine
 
 
@@ -190,11 +213,13 @@ def main(argv: list[str] | None = None) -> int:
         runs["zero3+compile"] = compiled
     times: dict[str, list[float]] = {k: [] for k in runs}
     cpu: dict[str, list[float]] = {k: [] for k in runs}
+    phases: dict[str, list[dict[str, float]]] = {k: [] for k in runs}
     for _ in range(args.repeats):  # interleaved: each round sees the same load on the shared cores
         for k, fn in runs.items():
             wall, used, _ = wall_and_cpu(fn, device)
             times[k].append(wall)
             cpu[k].append(used)
+            phases[k].append(it.phases)
     rate = max(rate, matmul_flops(device))
     plain_table, plain_share = profile_table(runs["plain"])
     zero3_table, zero3_share = profile_table(runs["zero3"], rows=16)
@@ -205,6 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     def per_round(k: str, t: dict[str, list[float]] = times) -> float:
         return statistics.median(a / b for a, b in zip(t[k], t["plain"]))
 
+    def extra(k: str, phase: str | None = None) -> float:
+        """Seconds run k takes over plain per iteration (or in one phase): median of the per-round differences."""
+        t = times if phase is None else {r: [p[phase] for p in phases[r]] for r in ("plain", k)}
+        return statistics.median(a - b for a, b in zip(t[k], t["plain"]))
+
     n = sum(p.numel() for p in model.parameters())
     print(f"one GRPO iteration, preset {args.preset} ({n / 1e6:.1f} M params, full fine-tune, fp32): {args.batch} "
           f"images x {args.steps} steps at {args.resolution}px, {it.k} trained transitions; "
@@ -214,8 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     for k, t in median.items():
         print(f"  {k:<14} iteration {t:8.2f} s  {flops / t / 1e9:8.1f} GFLOP/s  efficiency {eff[k]:.3f}  "
               f"(rounds: {', '.join(f'{x:.2f}' for x in times[k])})")
-    print(f"  DeepSpeed ZeRO-3 overhead (1 process): {per_round('zero3') - 1:+.1%} wall time, "
-          f"{per_round('zero3', cpu) - 1:+.1%} CPU time (medians of the per-round ratios to plain)")
+    print(f"  DeepSpeed ZeRO-3 overhead (1 process): {per_round('zero3') - 1:+.1%} wall time "
+          f"({extra('zero3'):+.2f} s), {per_round('zero3', cpu) - 1:+.1%} CPU time (medians of the per-round ratios "
+          "and differences to plain)")
+    print("    by phase, wall s (plain -> zero3, difference): " + "; ".join(
+        f"{ph} {statistics.median(p[ph] for p in phases['plain']):.2f} -> "
+        f"{statistics.median(p[ph] for p in phases['zero3']):.2f} ({extra('zero3', ph):+.2f})" for ph in PHASES))
     if with_compile:
         print(f"  ZeRO-3 + model.compile: {per_round('zero3+compile') - 1:+.1%} time vs plain; compile time (its "
               f"warm-up, apart from the above) {compile_s:.1f} s, warm-up iteration {warm:.1f} s")

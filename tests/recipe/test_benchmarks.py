@@ -43,6 +43,8 @@ def test_step_efficiency_smoke():
     e = headline(lines, "step_efficiency")
     assert e < 2.0  # an efficiency above the machine's matmul rate would mean miscounted FLOPs or time
     assert any("DeepSpeed ZeRO-3 overhead" in line for line in lines)
+    phases = next(line for line in lines if "by phase" in line)
+    assert all(f"{phase} " in phases for phase in ("rollout", "forward", "backward", "optimizer step")), phases
 
 
 @pytest.mark.slow
