@@ -10,16 +10,17 @@ torch.utils.flop_counter.FlopCounterMode (matmuls and attention; the CPU flash-a
 torch only knows the GPU ones). The machine's rate is the best sustained 1024^3 fp32 matmul rate, measured before
 and after the timed iterations with the same threads (the cores are shared, so both see the same contention).
 
-Three runs side by side, interleaved round by round (the cores are shared: medians over `--repeats` rounds): plain
+The runs side by side, interleaved round by round (the cores are shared: medians over `--repeats` rounds): plain
 PyTorch (the model, torch AdamW fused as the recipe chooses it, torch's own F.linear), the recipe's path, a
 DeepSpeed ZeRO-3 engine on one process (ds_configs/zero3_fp32.json as grpo.inputs.load_ds_config fills it, rollout
 through grpo.engine.inference_module as the recipe does it), whose extra time is DeepSpeed's overhead (per-module
-fetch/release hooks, its F.linear replacement, gradient partitioning and the flat optimizer step), and the same
-engine with model.compile (the FLUX blocks compiled by inductor; compile time is spent in the warm-up and reported
-apart). torch.profiler tables of the plain and the ZeRO-3 iteration say where time goes, and ZeRO-3's extra time
-is also given in seconds and split by phase (rollout, forward, backward, optimizer step): it is mostly a cost per
-module and parameter (hooks, flat buffers) that grows far slower than the work, so its share falls as images grow
-(`--resolution 256`: 4.6x the FLOPs; RESULTS.md).
+fetch/release hooks, its F.linear replacement, gradient partitioning and the flat optimizer step), the same engine
+with deepspeed.fetch_blocks (each FLUX block gathered as one unit: hooks on 6 blocks instead of on their 132
+sub-modules), and the same engine with model.compile (the FLUX blocks compiled by inductor; compile time is spent in
+the warm-up and reported apart). torch.profiler tables of the plain and the ZeRO-3 iteration say where time goes, and
+ZeRO-3's extra time is also given in seconds and split by phase (rollout, forward, backward, optimizer step): it is
+mostly a cost per module and parameter (hooks, flat buffers) that grows far slower than the work, so its share falls
+as images grow (`--resolution 256`: 4.6x the FLOPs; RESULTS.md).
 Headline: `step_efficiency: E` of the ZeRO-3 run (goal E >= 0.7 on a CPU). Each run's wall and CPU time are both
 reported: on a shared host the CPU time leaves out what other guests take from the cores.
 """
@@ -118,7 +119,7 @@ def plain(model: torch.nn.Module, max_norm: float = 1.0):
     return backward, step
 
 
-def deepspeed_engine(tcfg: dict, it: Iteration, steps: int, compile_blocks: bool = False):
+def deepspeed_engine(tcfg: dict, it: Iteration, steps: int, *overrides: str):
     from grpo import device as dev
     from grpo.config import load_config
     from grpo.layout import derive_layout
@@ -129,7 +130,7 @@ def deepspeed_engine(tcfg: dict, it: Iteration, steps: int, compile_blocks: bool
                       ["batch.prompts_per_step=1", f"sampling.group_size={it.batch}",
                        f"batch.micro_batch_size={it.batch}", f"sampling.num_steps={steps}",
                        "grpo.timestep_fraction=0.6", "optim.lr=1e-5", "deepspeed.config=ds_configs/zero3_fp32.json",
-                       f"model.compile={str(compile_blocks).lower()}"])
+                       *overrides])
     layout = derive_layout(cfg, 1)
     assert layout.grad_accum_steps == it.k, (layout.grad_accum_steps, it.k)
     ds = load_ds_config(cfg.deepspeed.config, cfg, layout)
@@ -202,11 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         with torch_linear():
             plain_iteration()
 
-    runs = {"plain": run_plain, "zero3": engine_iteration(it, deepspeed_engine(tcfg, it, args.steps))}
+    runs = {"plain": run_plain, "zero3": engine_iteration(it, deepspeed_engine(tcfg, it, args.steps)),
+            "zero3 blocks": engine_iteration(it, deepspeed_engine(tcfg, it, args.steps, "deepspeed.fetch_blocks=true"))}
     rate = matmul_flops(device)
-    runs["plain"](), runs["zero3"]()  # warm-up (allocations, DeepSpeed's first trace)
+    for run in runs.values():  # warm-up (allocations, DeepSpeed's first trace)
+        run()
     if with_compile:
-        compiled = engine_iteration(it, deepspeed_engine(tcfg, it, args.steps, compile_blocks=True))
+        compiled = engine_iteration(it, deepspeed_engine(tcfg, it, args.steps, "model.compile=true"))
         compiling = compile_seconds()
         warm = timed(compiled, device)  # the compiled engine's warm-up compiles the blocks (forward, backward)
         compile_s = compile_seconds() - compiling
@@ -244,12 +247,13 @@ def main(argv: list[str] | None = None) -> int:
     for k, t in median.items():
         print(f"  {k:<14} iteration {t:8.2f} s  {flops / t / 1e9:8.1f} GFLOP/s  efficiency {eff[k]:.3f}  "
               f"(rounds: {', '.join(f'{x:.2f}' for x in times[k])})")
-    print(f"  DeepSpeed ZeRO-3 overhead (1 process): {per_round('zero3') - 1:+.1%} wall time "
-          f"({extra('zero3'):+.2f} s), {per_round('zero3', cpu) - 1:+.1%} CPU time (medians of the per-round ratios "
-          "and differences to plain)")
-    print("    by phase, wall s (plain -> zero3, difference): " + "; ".join(
-        f"{ph} {statistics.median(p[ph] for p in phases['plain']):.2f} -> "
-        f"{statistics.median(p[ph] for p in phases['zero3']):.2f} ({extra('zero3', ph):+.2f})" for ph in PHASES))
+    for k, what in (("zero3", "DeepSpeed ZeRO-3 overhead (1 process)"),
+                    ("zero3 blocks", "the same with deepspeed.fetch_blocks (one fetch a FLUX block)")):
+        print(f"  {what}: {per_round(k) - 1:+.1%} wall time ({extra(k):+.2f} s), {per_round(k, cpu) - 1:+.1%} CPU "
+              "time (medians of the per-round ratios and differences to plain)")
+        print(f"    by phase, wall s (plain -> {k}, difference): " + "; ".join(
+            f"{ph} {statistics.median(p[ph] for p in phases['plain']):.2f} -> "
+            f"{statistics.median(p[ph] for p in phases[k]):.2f} ({extra(k, ph):+.2f})" for ph in PHASES))
     if with_compile:
         print(f"  ZeRO-3 + model.compile: {per_round('zero3+compile') - 1:+.1%} time vs plain; compile time (its "
               f"warm-up, apart from the above) {compile_s:.1f} s, warm-up iteration {warm:.1f} s")

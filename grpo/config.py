@@ -187,6 +187,9 @@ class DeepSpeedConfig:
     gather_for_rollout: bool = setting(
         resume=FREE, help="gather the full weights once per rollout/eval phase instead of layer by layer at every "
                           "denoising step: much faster, but each device briefly holds one full copy")
+    fetch_blocks: bool = setting(
+        resume=FREE, help="ZeRO-3 gathers each FLUX block's weights at once instead of module by module (DeepSpeed "
+                          "leaf modules): fewer hooks, the same math up to rounding, one block in flight")
 
 
 @dataclass(kw_only=True)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import inspect
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,6 +47,39 @@ def add_lora(transformer: torch.nn.Module, lora: LoraConfig) -> None:
             target_modules=lora.target_modules,
         )
     )
+
+
+def fetch_whole_blocks(transformer: torch.nn.Module) -> None:
+    """deepspeed.fetch_blocks: ZeRO-3 gathers and releases each FLUX block's weights as one unit (DeepSpeed's leaf
+    modules) instead of registering fetch/release hooks on every sub-module. Call before deepspeed.initialize.
+
+    DeepSpeed reduces a leaf's gradients from the block's full backward hook, which waits for the gradients of the
+    block's positional inputs, and fires at once if none requires one. Then no weight gradient of the block exists
+    yet and DeepSpeed fills them with zeros on the released weights (a crash). Two cases do that here: diffusers
+    passes the inputs by keyword (the pre-hook below passes them positionally), and in a LoRA run the first block's
+    inputs come from frozen layers (the pre-hook makes its hidden states require a gradient, as transformers'
+    enable_input_require_grads does for the same reason: one extra input gradient, no change to the others).
+    """
+    from deepspeed.utils import set_z3_leaf_modules
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
+
+    for block in set_z3_leaf_modules(transformer, [FluxTransformerBlock, FluxSingleTransformerBlock]):
+        block.register_forward_pre_hook(_inputs_by_position, with_kwargs=True)
+
+
+@functools.cache
+def _forward_signature(cls: type) -> inspect.Signature:
+    return inspect.signature(cls.forward)
+
+
+def _inputs_by_position(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    bound = _forward_signature(type(module)).bind(module, *args, **kwargs)
+    args = bound.args[1:]
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if torch.is_grad_enabled() and not any(t.requires_grad for t in tensors) and any(
+            p.requires_grad for p in module.parameters()):
+        args = (args[0].detach().requires_grad_(), *args[1:])  # hidden_states: nothing upstream needs a gradient
+    return args, bound.kwargs
 
 
 def build_reference(transformer: torch.nn.Module, ds: dict):

@@ -24,7 +24,8 @@ Per device it counts:
   VAE, rewards   weights (unless offloaded: they then visit the device for their phase only), the decode's peak;
                  rewards scored by a server (remote, vlm_judge) take no device memory.
   comm buffers   ZeRO-3's reduce bucket (reduce_bucket_size elements, resident), the prefetch bucket and the largest
-                 module in flight, the fp32 copy of a sub-group's gradients at the optimizer step (b < 4).
+                 module (deepspeed.fetch_blocks: block) in flight, the fp32 copy of a sub-group's gradients at the
+                 optimizer step (b < 4).
 
 The peak is the largest phase (rollout, decode, reward, reference, update, optimizer step) on top of what stays
 resident. Predictions were checked against measurements on small models (benchmarks/zero3_memory.py,
@@ -265,6 +266,7 @@ class TransformerTrace:
     params: list[tuple[int, bool]]  # (numel, trainable)
     no_grad_peak: int
     largest_module: int  # elements of the largest module's own parameters (ZeRO-3 gathers module by module)
+    largest_block: int  # elements of the largest FLUX block (deepspeed.fetch_blocks gathers a block at once)
     _update: dict = field(default_factory=dict)
 
     def update_bytes(self, checkpointing: bool | int) -> tuple[int, int]:
@@ -311,6 +313,8 @@ def _transformer_trace(config_json: str, dtype: torch.dtype, lora: tuple | None,
         params=[(p.numel(), p.requires_grad) for p in model.parameters()],
         no_grad_peak=live_peak(lambda: model(**inputs), [*model.parameters(), *_tensors(inputs)]),
         largest_module=max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in model.modules()),
+        largest_block=max(sum(p.numel() for p in block.parameters())
+                          for block in (*model.transformer_blocks, *model.single_transformer_blocks)),
     )
 
 
@@ -427,7 +431,7 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
     r = layout.rollout_micro_batch_size  # rollouts, reference and eval run without gradients at this micro-batch
     rollout_peak = (t if r == m else transformer_trace(transformer_config, dtype, cfg.lora, r, image_tokens,
                                                        text_tokens)).no_grad_peak
-    largest_module = t.largest_module
+    fetch_unit = t.largest_block if cfg.deepspeed.fetch_blocks else t.largest_module
 
     # VAE and rewards.
     vae_weights = vae_decode = 0
@@ -442,7 +446,7 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
         resident["rewards"] = reward_resident
 
     # Communication buffers and what is in flight.
-    in_flight = (min(zero["stage3_prefetch_bucket_size"], n_params) + largest_module) * b
+    in_flight = (min(zero["stage3_prefetch_bucket_size"], n_params) + fetch_unit) * b
     resident["reduce bucket"] = zero["reduce_bucket_size"] * b if zero["contiguous_gradients"] else 0
     # What the rollout keeps until the update, per sample: float32 latents of every step, the conditioning (text
     # embeddings in the model dtype), the decoded float32 image.

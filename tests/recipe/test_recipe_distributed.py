@@ -35,9 +35,12 @@ def lora_runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def full_kl_runs(tmp_path_factory):
+    """Full fine-tune with a sharded reference; ZeRO-3 fetches whole blocks here (deepspeed.fetch_blocks), so the
+    invariants below hold for that path too (the LoRA runs keep the module-by-module default)."""
     tmp = tmp_path_factory.mktemp("full")
     return {n: one_step(tmp, n, "recipes/configs/tiny/grpo_full.yaml", ["grpo.kl_coef=0.5", "optim.lr=1e-3",
-                                                                           "batch.updates_per_step=2"])
+                                                                           "batch.updates_per_step=2",
+                                                                           "deepspeed.fetch_blocks=true"])
             for n in (1, 2)}
 
 

@@ -71,6 +71,18 @@ def test_checkpointing_lowers_the_planned_activations():
     assert every1 < every2 < none
 
 
+def test_block_fetch_puts_the_largest_block_in_flight():
+    """deepspeed.fetch_blocks: ZeRO-3 gathers a whole block where it gathered one module: the update's in-flight
+    weights grow by (largest block - largest module) elements, nothing else changes."""
+    off, on = (P.plan(load_config(TINY_LORA, [f"deepspeed.fetch_blocks={v}"]), 2) for v in ("false", "true"))
+    t = P.transformer_trace(transformer_config("tiny"), torch.float32, load_config(TINY_LORA).lora, 1, 16, 8)
+    block = sum(p.numel() for p in t.model.transformer_blocks[0].parameters())  # a double block, with its LoRA
+    assert t.largest_block == block > 5 * t.largest_module
+    grown = on.phases["update"]["params in flight"] - off.phases["update"]["params in flight"]
+    assert grown == (t.largest_block - t.largest_module) * 4 > 0  # fp32
+    assert on.resident == off.resident
+
+
 # -------------------------------------------------------------------------------------------------- the CLI
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tools.plan", *args], cwd=ROOT, capture_output=True, text=True,
