@@ -60,7 +60,8 @@ lora, checkpointing = sys.argv[2], sys.argv[3]
 weights, leaves, norms = {}, {}, {}
 for fetch_blocks in ("false", "true"):
     cfg = load_config(sys.argv[1], [f"model.gradient_checkpointing={checkpointing}", "optim.lr=1e-2",
-                                    f"deepspeed.fetch_blocks={fetch_blocks}", *([] if lora == "lora" else ["lora=null"])])
+                                    f"deepspeed.fetch_blocks={fetch_blocks}",
+                                    *([] if lora == "lora" else ["lora=null"])])
     ds = load_ds_config(cfg.deepspeed.config, cfg, derive_layout(cfg, 1))
     ds.update(gradient_accumulation_steps=2, train_batch_size=2 * ds["train_micro_batch_size_per_gpu"])
     engine, _ = load_recipe().build_policy(build_transformer(tcfg), cfg, ds)
@@ -84,7 +85,8 @@ print(json.dumps({"leaves": leaves, "norms": norms, "same": all(torch.equal(x, y
 """
 
 
-@pytest.mark.parametrize("lora,checkpointing", [("full", "true"), ("full", "false"), ("lora", "true"), ("lora", "false")])
+@pytest.mark.parametrize("lora,checkpointing", [("full", "true"), ("full", "false"), ("lora", "true"),
+                                                ("lora", "false")])
 def test_block_fetch_trains_what_module_fetch_trains(lora, checkpointing):
     env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
            "PATH": "/usr/bin:/bin"}
