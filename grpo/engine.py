@@ -72,6 +72,7 @@ def _forward_signature(cls: type) -> inspect.Signature:
     return inspect.signature(cls.forward)
 
 
+@torch.compiler.disable  # model.compile: runs before the block's graph, like DeepSpeed's own fetch hook
 def _inputs_by_position(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     bound = _forward_signature(type(module)).bind(module, *args, **kwargs)
     args = bound.args[1:]
