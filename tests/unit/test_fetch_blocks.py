@@ -39,9 +39,16 @@ def test_keyword_inputs_reach_the_blocks_by_position():
         assert _inputs_by_position(single, (h, e, temb.detach()), {})[0][0] is h
 
 
-def test_the_presets_keep_it_off_and_it_may_change_on_resume():
-    assert load_config(LORA).deepspeed.fetch_blocks is False
+def test_the_presets_keep_it_off_and_a_resume_may_change_it():
+    import dataclasses
+
+    from grpo.config import DeepSpeedConfig
+
+    for preset in sorted((ROOT / "recipes/configs").glob("*/*.yaml")):
+        assert load_config(preset).deepspeed.fetch_blocks is False, preset
     assert load_config(LORA, ["deepspeed.fetch_blocks=true"]).deepspeed.fetch_blocks is True
+    field = next(f for f in dataclasses.fields(DeepSpeedConfig) if f.name == "fetch_blocks")
+    assert field.metadata["resume"] == "free"  # the same training up to rounding: not part of a run's identity
 
 
 _TWO_PATHS = r"""
@@ -66,22 +73,19 @@ for fetch_blocks in ("false", "true"):
     ds.update(gradient_accumulation_steps=2, train_batch_size=2 * ds["train_micro_batch_size_per_gpu"])
     engine, _ = load_recipe().build_policy(build_transformer(tcfg), cfg, ds)
     leaves[fetch_blocks] = len(get_z3_leaf_modules(engine.module))
+    trained = [p for p in engine.module.parameters() if p.requires_grad]
+    before = [safe_get_full_fp32_param(p).clone() for p in trained]
     for seed in (1, 2):  # two micro-batches accumulated into one optimizer step
         torch.manual_seed(seed)
         inputs = transformer_inputs(tcfg, 2, 16, 8, torch.float32, device="cpu")
         engine.backward(engine(**inputs)[0].square().mean())
         engine.step()
     norms[fetch_blocks] = float(engine.get_global_grad_norm())
-    weights[fetch_blocks] = [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()
-                             if p.requires_grad]
-start = {n: p for n, p in build_transformer(tcfg).named_parameters()}
+    weights[fetch_blocks] = [safe_get_full_fp32_param(p).clone() for p in trained]
 a, b = weights["false"], weights["true"]
 print(json.dumps({"leaves": leaves, "norms": norms, "same": all(torch.equal(x, y) for x, y in zip(a, b)),
                   "max_diff": max((x - y).abs().max().item() for x, y in zip(a, b)),
-                  "max_step": max((x - start[n]).abs().max().item() if n in start else x.abs().max().item()
-                                  for (n, _), x in zip([(n, p) for n, p in engine.module.named_parameters()
-                                                        if p.requires_grad], a)),
-                  "trained": len(a)}))
+                  "max_step": max((x - w).abs().max().item() for x, w in zip(a, before))}))
 """
 
 
