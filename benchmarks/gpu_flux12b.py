@@ -4,6 +4,7 @@ peak memory against the planner's prediction (tools/plan.py).
     python benchmarks/gpu_flux12b.py                       # one GPU; sized for an H200 (141 GB), < 8 minutes
     python benchmarks/gpu_flux12b.py --smoke               # the tiny config on the CPU: tests the script only
     python benchmarks/gpu_flux12b.py --compile             # the blocks compiled (model.compile), compile time apart
+    python benchmarks/gpu_flux12b.py --fetch-blocks        # ZeRO-3 gathers whole blocks (deepspeed.fetch_blocks)
 
 The transformer has FLUX.1-dev's config (11.9 B parameters, tools/flux_configs.json) with random bf16 weights,
 built directly on the GPU; it goes through the recipe's own path: LoRA (rank 128 on to_q/k/v/out, the flux1_dev
@@ -61,7 +62,7 @@ def recipe_config(args):
         f"sampling.resolution={args.resolution}", f"sampling.num_steps={args.steps}",
         f"data.max_sequence_length={args.text_tokens}", "rewards={tiny_world: 1.0}", "data.eval_prompts=null",
         f"deepspeed.config={ROOT / 'ds_configs/zero3.json'}", "model.gradient_checkpointing=true",
-        f"model.compile={str(args.compile).lower()}",
+        f"model.compile={str(args.compile).lower()}", f"deepspeed.fetch_blocks={str(args.fetch_blocks).lower()}",
     ])
 
 
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny config on the CPU (a test of the script)")
     parser.add_argument("--compile", action="store_true",
                         help="model.compile: the blocks compiled (regional); compile time is reported apart")
+    parser.add_argument("--fetch-blocks", action="store_true",
+                        help="deepspeed.fetch_blocks: ZeRO-3 gathers each FLUX block as one unit")
     args = parser.parse_args(argv)
     if args.smoke:
         args.batch, args.steps, args.resolution, args.text_tokens, args.iterations = 2, 3, 64, 32, 1
@@ -173,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"FLUX.1-dev-sized LoRA GRPO iteration on {device} ({n_params / 1e9:.2f} B params, {n_train / 1e6:.1f} M "
           f"trainable, {dtype}); {args.batch} images x {args.steps} steps at {args.resolution}px, "
           f"{len(trained)} trained transitions; engine setup {setup_s:.1f} s; model.compile {args.compile} "
-          f"(compile time {compile_s:.1f} s, apart)")
+          f"(compile time {compile_s:.1f} s, apart), deepspeed.fetch_blocks {args.fetch_blocks}")
     print(f"  rollout {result['rollout_s']:.2f} s, update {result['update_s']:.2f} s: "
           f"{total_s / args.batch:.3f} s per image")
     print(f"  matmul rate {rate / 1e12:.1f} TFLOP/s; model FLOPs {model_flops / 1e12:.1f} T, executed "
