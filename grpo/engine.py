@@ -49,9 +49,10 @@ def add_lora(transformer: torch.nn.Module, lora: LoraConfig) -> None:
     )
 
 
-def fetch_whole_blocks(transformer: torch.nn.Module) -> None:
-    """deepspeed.fetch_blocks: ZeRO-3 gathers and releases each FLUX block's weights as one unit (DeepSpeed's leaf
-    modules) instead of registering fetch/release hooks on every sub-module. Call before deepspeed.initialize.
+def fetch_whole_blocks(transformer: torch.nn.Module, enabled: bool) -> None:
+    """deepspeed.fetch_blocks (`enabled`): ZeRO-3 gathers and releases each FLUX block's weights as one unit
+    (DeepSpeed's leaf modules) instead of registering fetch/release hooks on every sub-module. Call before
+    deepspeed.initialize.
 
     DeepSpeed reduces a leaf's gradients from the block's full backward hook, which waits for the gradients of the
     block's positional inputs, and fires at once if none requires one. Then no weight gradient of the block exists
@@ -60,6 +61,8 @@ def fetch_whole_blocks(transformer: torch.nn.Module) -> None:
     inputs come from frozen layers (the pre-hook makes its hidden states require a gradient, as transformers'
     enable_input_require_grads does for the same reason: one extra input gradient, no change to the others).
     """
+    if not enabled:
+        return
     from deepspeed.utils import set_z3_leaf_modules
     from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
 
@@ -74,11 +77,12 @@ def _forward_signature(cls: type) -> inspect.Signature:
 
 @torch.compiler.disable  # model.compile: runs before the block's graph, like DeepSpeed's own fetch hook
 def _inputs_by_position(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    if not torch.is_grad_enabled():  # rollouts, evals, the reference: no backward hook to feed
+        return args, kwargs
     bound = _forward_signature(type(module)).bind(module, *args, **kwargs)
     args = bound.args[1:]
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if torch.is_grad_enabled() and not any(t.requires_grad for t in tensors) and any(
-            p.requires_grad for p in module.parameters()):
+    if not any(t.requires_grad for t in tensors) and any(p.requires_grad for p in module.parameters()):
         args = (args[0].detach().requires_grad_(), *args[1:])  # hidden_states: nothing upstream needs a gradient
     return args, bound.kwargs
 

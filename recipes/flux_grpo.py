@@ -103,8 +103,7 @@ def build_policy(transformer: torch.nn.Module, cfg: RecipeConfig, ds_config: dic
         transformer.requires_grad_(True)
     enable_checkpointing(transformer, cfg.model.gradient_checkpointing)
     compile_blocks(transformer, cfg.model.compile)  # model.compile: the blocks compile on their first forward
-    if cfg.deepspeed.fetch_blocks:
-        eng.fetch_whole_blocks(transformer)
+    eng.fetch_whole_blocks(transformer, cfg.deepspeed.fetch_blocks)
     o = cfg.optim
     optimizer = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad], lr=o.lr,
                                   betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
@@ -204,8 +203,7 @@ class FluxGRPORecipe:
             return None
         transformer = self.load_transformer(self.model_path, self.dtype)
         dev.set_attention_backend(transformer, self.cfg.model.attention_backend)  # the policy's kernels, or the KL
-        if self.cfg.deepspeed.fetch_blocks:                                       # would measure their difference
-            eng.fetch_whole_blocks(transformer)
+        eng.fetch_whole_blocks(transformer, self.cfg.deepspeed.fetch_blocks)     # would measure their difference
         return eng.build_reference(transformer, self.ds_config)
 
     def _log_layout(self) -> None:
