@@ -61,6 +61,7 @@ def recipe_config(args):
         "batch.prompts_per_step=1", f"sampling.group_size={args.batch}", f"batch.micro_batch_size={args.batch}",
         f"sampling.resolution={args.resolution}", f"sampling.num_steps={args.steps}",
         f"data.max_sequence_length={args.text_tokens}", "rewards={tiny_world: 1.0}", "data.eval_prompts=null",
+        f"data.train_prompts={ROOT / 'assets/prompts/tiny_train.txt'}",  # the preset names none
         f"deepspeed.config={ROOT / 'ds_configs/zero3.json'}", "model.gradient_checkpointing=true",
         f"model.compile={str(args.compile).lower()}", f"deepspeed.fetch_blocks={str(args.fetch_blocks).lower()}",
     ])

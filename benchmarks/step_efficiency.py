@@ -53,7 +53,7 @@ class Iteration:
     """The inputs of one GRPO iteration and the iteration itself, for any model/backward/step."""
 
     def __init__(self, tcfg: dict, batch: int, steps: int, resolution: int, text_tokens: int, device: torch.device):
-        from grpo.layout import trained_transitions
+        from grpo.objectives.grpo import trained_transitions
         from grpo.flux import make_conditioning, pack
         from grpo.sde import shifted_sigmas
 

@@ -38,10 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from grpo.config import load_config  # noqa: E402
-from grpo.layout import trained_transitions  # noqa: E402
-from grpo.solvers import tail_points  # noqa: E402
-from grpo.tree import Tree  # noqa: E402
-from grpo.windows import rollout_window  # noqa: E402
+from grpo.rollout_plan import RolloutPlan  # noqa: E402
 from tools.launch import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,28 +71,8 @@ def strategy_config(name: str, extra: list[str]):
 
 
 def step_cost(cfg, step: int) -> float:
-    """Forward-equivalents per image of step `step`: rollout calls, then per trained transition or noise level 3 (a
-    forward and a backward), +1 for a reference forward (KL), +1 for the lagging policy's (nft, awm's anchor). A tree
-    pays once per node, shared by the images under it."""
-    s, m = cfg.sampling, cfg.matching
-    window = rollout_window(s, cfg.seed, step)
-    tree = Tree.of(s)
-    if tree is not None:
-        return tree.forwards_per_image(tree.trained(), 3 + (cfg.grpo.kl_coef > 0))
-    if m is not None:
-        lagging = cfg.algorithm == "nft" or m.anchor_coef > 0
-        return rollout_calls(s, 0) + m.timesteps * (3 + (m.kl_coef > 0) + lagging)
-    if window is None:
-        rollout, trained = s.num_steps, trained_transitions(s.num_steps, cfg.grpo.timestep_fraction)
-    else:
-        rollout, trained = rollout_calls(s, window[-1]), len(window)
-    return rollout + 3 * trained + (trained if cfg.grpo.kl_coef > 0 else 0)
-
-
-def rollout_calls(s, last: int) -> int:
-    """Transformer calls of a rollout that leaves the schedule after step `last` for a dpm2 tail, if it has one:
-    steps 0..last on the grid, then the tail's solver steps (its points but the first)."""
-    return s.num_steps if s.tail != "dpm2" else last + tail_points(s.num_steps, last, s.compress_ratio)
+    """Forward-equivalents per image of step `step`: the recipe's own cost model (grpo/rollout_plan.py)."""
+    return RolloutPlan.of(cfg).forwards_per_image(step)
 
 
 def steps_within(cfg, budget: float) -> int:

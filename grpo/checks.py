@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from grpo.errors import ConfigError
+from grpo.objectives import OBJECTIVES
 
 if TYPE_CHECKING:  # the config module calls these checks: no import back at run time
     from grpo.config import RecipeConfig
@@ -20,7 +21,7 @@ def _positive(value: float, key: str, fix: str) -> None:
 def validate(cfg: RecipeConfig) -> None:
     """Single-field and cross-field checks that need no files and no world size."""
     _positive(cfg.max_steps, "max_steps", "set max_steps to the number of GRPO steps to run")
-    s, b, g = cfg.sampling, cfg.batch, cfg.grpo
+    s, b, a = cfg.sampling, cfg.batch, cfg.advantage
     if s.group_size < 2:
         raise ConfigError(f"sampling.group_size: {s.group_size} gives no group statistics; use at least 2")
     if s.num_steps < 2:
@@ -47,15 +48,8 @@ def validate(cfg: RecipeConfig) -> None:
     if b.rollout_micro_batch_size is not None:
         _positive(b.rollout_micro_batch_size, "batch.rollout_micro_batch_size",
                   "use a multiple of micro_batch_size, or null")
-    if not 0 < g.timestep_fraction <= 1:
-        raise ConfigError(f"grpo.timestep_fraction: {g.timestep_fraction} must be in (0, 1]")
-    if not 0 < g.clip_range < 1:  # the ratio is clipped to [1 - clip_range, 1 + clip_range]: its lower end must be > 0
-        raise ConfigError(f"grpo.clip_range: {g.clip_range} must be in (0, 1); DanceGRPO uses 1e-4")
-    _positive(g.adv_clip, "grpo.adv_clip", "DanceGRPO uses 5.0")
-    if g.std_scope not in ("group", "batch"):
-        raise ConfigError(f"grpo.std_scope: {g.std_scope!r} is unknown; use group or batch")
-    if g.kl_coef < 0:
-        raise ConfigError(f"grpo.kl_coef: {g.kl_coef} is negative; use 0 (no reference) or a positive weight")
+    _positive(a.clip, "advantage.clip", "DanceGRPO uses 5.0")
+    _positive(a.eps, "advantage.eps", "Flow-GRPO uses 1e-4, DanceGRPO 1e-8")
     _validate_algorithm(cfg)
     _validate_optim_lora(cfg)
     if not cfg.rewards:
@@ -109,42 +103,18 @@ def _validate_optim_lora(cfg: RecipeConfig) -> None:
 
 
 def _validate_algorithm(cfg: RecipeConfig) -> None:
-    """nft and awm train on noised clean samples: they need the matching section and no SDE window."""
-    m = cfg.matching
-    if cfg.algorithm == "grpo":
-        if m is not None:
-            raise ConfigError("matching: only for algorithm nft or awm; set it to null for grpo")
-        if cfg.sampling.eta == 0:
-            raise ConfigError("sampling.eta: 0 makes rollouts deterministic and log-probs undefined; GRPO trains "
-                              "with eta > 0")
-        return
-    if m is None:
-        raise ConfigError(f"matching: required with algorithm {cfg.algorithm} (see --help)")
-    if cfg.grpo.kl_coef != 0 or cfg.grpo.ratio_norm:
-        raise ConfigError(f"grpo.kl_coef / grpo.ratio_norm: GRPO's; set 0 / false for {cfg.algorithm} (its KL weight "
-                          "is matching.kl_coef)")
-    if cfg.sampling.window is not None:
+    """The section `algorithm` names is given and no other objective's; then the objective's own checks."""
+    for name in OBJECTIVES:
+        if name != cfg.algorithm and getattr(cfg, name) is not None:
+            raise ConfigError(f"{name}: settings of algorithm {name}, but this preset's algorithm is {cfg.algorithm}; "
+                              f"remove the {name} section (or set algorithm: {name})")
+    if getattr(cfg, cfg.algorithm) is None:
+        raise ConfigError(f"{cfg.algorithm}: required with algorithm {cfg.algorithm}; add the section (python -m "
+                          "tools.check --help lists its keys)")
+    objective = OBJECTIVES[cfg.algorithm]
+    objective.check(cfg)
+    if not objective.trains_transitions and cfg.sampling.window is not None:
         raise ConfigError(f"sampling.window: selects GRPO's trained transitions; set null for {cfg.algorithm}")
-    if cfg.sampling.eta == 0 and cfg.sampling.init_same_noise:
-        raise ConfigError("sampling.init_same_noise: true with eta 0 makes each group one image repeated (no "
-                          "advantage); set false, so each image has its own starting noise")
-    if not 1 <= m.timesteps <= cfg.sampling.num_steps:
-        raise ConfigError(f"matching.timesteps: {m.timesteps}; use 1 .. num_steps = {cfg.sampling.num_steps}")
-    need, other = ("beta",), ("huber_p", "anchor_coef")
-    if cfg.algorithm == "awm":
-        need, other = other, need
-    for key in need:
-        if getattr(m, key) is None or not getattr(m, key) > 0:
-            raise ConfigError(f"matching.{key}: {getattr(m, key)}; a positive number is required with algorithm "
-                              f"{cfg.algorithm} (see --help)")
-    for key in other:
-        if getattr(m, key) is not None:
-            raise ConfigError(f"matching.{key}: not used by algorithm {cfg.algorithm}; remove it")
-    if not 0 <= m.lag_max < 1 or m.lag_rate < 0 or m.lag_start < 0:
-        raise ConfigError(f"matching.lag_*: rate {m.lag_rate} >= 0, max {m.lag_max} in [0, 1), start {m.lag_start} "
-                          ">= 0 (DiffusionNFT: 0.001, 0.5, 0)")
-    if m.kl_coef < 0:
-        raise ConfigError(f"matching.kl_coef: {m.kl_coef} is negative; use 0 (no reference) or e.g. 1e-4")
 
 
 def _validate_strategy(cfg: RecipeConfig) -> None:
@@ -154,9 +124,6 @@ def _validate_strategy(cfg: RecipeConfig) -> None:
         bound = s.num_steps - 2  # the last two transitions are never trained (MixGRPO's max_timesteps)
         if not 1 <= w.size <= bound:
             raise ConfigError(f"sampling.window.size: {w.size}; use 1 .. num_steps - 2 = {bound}")
-        if cfg.grpo.timestep_fraction != 1.0:
-            raise ConfigError(f"grpo.timestep_fraction: {cfg.grpo.timestep_fraction} with sampling.window: every "
-                              "window step is trained; set 1.0")
         need = {"progressive": ("shift_every", "stride"), "random": ("high",)}[w.placement]
         unused = {"progressive": ("high",), "random": ("shift_every", "stride")}[w.placement]
         for key in need:
@@ -172,7 +139,7 @@ def _validate_strategy(cfg: RecipeConfig) -> None:
             raise ConfigError(f"sampling.window.high: {w.high}; use size .. num_steps - 1 = {s.num_steps - 1} "
                               f"(Flow-GRPO-Fast: num_steps // 2)")
     if s.tail == "dpm2":
-        if w is None and cfg.matching is None:
+        if w is None and _trains_transitions(cfg):
             raise ConfigError("sampling.tail: dpm2 replaces the steps after an SDE window (or, for nft and awm, the "
                               "ODE rollout's steps after its first); set sampling.window")
         if isinstance(s.shift, str):
@@ -184,18 +151,19 @@ def _validate_strategy(cfg: RecipeConfig) -> None:
         raise ConfigError("sampling.compress_ratio: only for sampling.tail: dpm2; remove it or set tail: dpm2")
     if s.branch is not None:
         _validate_branch(cfg)
-    if cfg.grpo.ratio_norm and s.sde != "flow":
-        raise ConfigError(f"grpo.ratio_norm: true needs sampling.sde: flow (GRPO-Guard normalises Flow-SDE "
-                          f"log-ratios), got {s.sde}")
+
+
+def _trains_transitions(cfg: RecipeConfig) -> bool:
+    return OBJECTIVES[cfg.algorithm].trains_transitions
 
 
 def _validate_branch(cfg: RecipeConfig) -> None:
     """BranchGRPO's tree: a group is one tree of Gaussian SDE steps from one root, every edge trained."""
     s, b = cfg.sampling, cfg.sampling.branch
-    if cfg.algorithm != "grpo" or s.window is not None:
+    if not _trains_transitions(cfg) or s.window is not None:
         raise ConfigError("sampling.branch: tree rollouts are GRPO's over every SDE step; set algorithm: grpo and "
                           "sampling.window: null, or branch: null")
-    if s.sde == "cps" or cfg.grpo.ratio_norm:
+    if s.sde == "cps":
         raise ConfigError("sampling.branch: needs Gaussian SDE steps (sde dance or flow) without grpo.ratio_norm")
     ordered = bool(b.splits) and list(b.splits) == sorted(set(b.splits))
     if not ordered or not 0 <= b.splits[0] <= b.splits[-1] <= s.num_steps - 2:
@@ -208,9 +176,9 @@ def _validate_branch(cfg: RecipeConfig) -> None:
         raise ConfigError(f"sampling.branch.noise_scale: {b.noise_scale}; use a positive number, e.g. 1 (none) or 4")
     if not s.init_same_noise:
         raise ConfigError("sampling.init_same_noise: false, but a tree grows from one root per group; set true")
-    if cfg.grpo.std_scope != "group" or cfg.grpo.timestep_fraction != 1.0:
-        raise ConfigError("sampling.branch: advantages are normalised per tree and depth, and every edge is trained; "
-                          "set grpo.std_scope: group and grpo.timestep_fraction: 1.0")
+    if cfg.advantage.std_scope != "group" or cfg.advantage.per_reward:
+        raise ConfigError("sampling.branch: advantages are normalised per tree and depth; set advantage.std_scope: "
+                          "group and advantage.per_reward: false")
 
 
 def _validate_profile(cfg: RecipeConfig) -> None:

@@ -20,7 +20,8 @@ import yaml
 
 from grpo.checks import validate
 from grpo.errors import ConfigError
-from grpo.schema import build, describe, fields_along, parse_value, read_yaml, set_dotted, setting
+from grpo.objectives import OBJECTIVES
+from grpo.schema import build, describe, fields_along, parse_value, read_preset, set_dotted, setting
 
 FREE = "free"  # may differ between a run and its resumption: where and how long it runs, logging, checkpoints, faults
 
@@ -136,34 +137,17 @@ class BatchConfig:
 
 
 @dataclass(kw_only=True)
-class GRPOConfig:
-    clip_range: float = setting(help="PPO ratio clip epsilon (DanceGRPO: 1e-4)")
-    adv_clip: float = setting(help="advantages are clipped to [-adv_clip, adv_clip] (DanceGRPO: 5.0)")
-    std_scope: str = setting(help="advantage std over the group, or the whole batch (Flow-GRPO's global_std); both "
-                                  "unbiased (ddof=1), where Flow-GRPO's global std is np.std (ddof=0)")
-    timestep_fraction: float = setting(help="share of the N-1 trainable transitions drawn per micro-batch, in (0, 1]")
-    kl_coef: float = setting(0.0, help="weight of the exact per-step Gaussian KL to the initial policy; 0 = off (no "
-                                       "reference model at all). Flow-GRPO's beta weights KL*dt: kl_coef = beta*dt")
-    ratio_norm: bool = setting(False, help="GRPO-Guard's RatioNorm and 1/dt gradient reweighting against the ratio "
-                                           "bias of low-noise steps (sampling.sde: flow only)")
-
-
-@dataclass(kw_only=True)
-class MatchingConfig:
-    timesteps: int = setting(help="noise levels trained per image, drawn from the rollout's schedule (DiffusionNFT: "
-                                  "0.99 of its 10; Flow-Factory's FLUX examples: 2 to 4)")
-    beta: float | None = setting(None, help="nft: mixing strength of the implicit policies (DiffusionNFT: 1.0; 0.1 "
-                                            "for OCR); not a KL weight")
-    huber_p: float | None = setting(None, help="awm: exponent of the generalised-Huber weighting (AWM: 0.25)")
-    anchor_coef: float | None = setting(None, help="awm: weight of mean (v - v_lagging)^2 (AWM's beta_EMA: 1.0)")
-    lag_rate: float = setting(help="the lagging policy: theta_lag <- d*theta_lag + (1 - d)*theta after each step, "
-                                   "d = min(lag_rate * (k - lag_start), lag_max), k = optimizer steps (DiffusionNFT "
-                                   "type 1: 0.001, 0.5, 0; AWM: 0.001, 0.3, 0)")
-    lag_max: float = setting(help="largest decay of the lagging policy (see lag_rate)")
-    lag_start: int = setting(0, help="optimizer steps before the lagging policy starts to lag (DiffusionNFT type 2: "
-                                     "75)")
-    kl_coef: float = setting(0.0, help="weight of mean (v - v_ref)^2 to the initial model (DiffusionNFT: 1e-4); 0 = "
-                                       "off, no reference model")
+class AdvantageConfig:
+    clip: float = setting(help="advantages are clipped to [-clip, clip] (DanceGRPO, Flow-GRPO adv_clip_max: 5.0); nft "
+                               "and awm also scale by it")
+    std_scope: str = setting(choices=("group", "batch"),
+                             help="divide by the std of the prompt's group (DanceGRPO), or of the whole batch "
+                                  "(Flow-GRPO's global_std, DiffusionNFT, AWM); both ddof=1 here, where Flow-GRPO's "
+                                  "global and per-prompt std are np.std (ddof=0)")
+    eps: float = setting(help="added to the std (Flow-GRPO, DiffusionNFT, AWM: 1e-4; DanceGRPO: 1e-8)")
+    per_reward: bool = setting(
+        False, help="MixGRPO's aggregation: each reward's in-group z-score, weighted and summed, is the advantage "
+                    "(no second normalisation); false = the weighted sum of the raw rewards is normalised")
 
 
 @dataclass(kw_only=True)
@@ -237,7 +221,7 @@ class ProfileConfig:
 
 
 @dataclass(kw_only=True)
-class RecipeConfig:
+class _SharedConfig:
     output_dir: str = setting(resume=FREE, path=True, help="run folder: logs, samples, checkpoints, final weights")
     max_steps: int = setting(resume=FREE, help="GRPO steps to run")
     seed: int = setting(help="every random draw is a function of (seed, step, sample index)")
@@ -247,14 +231,12 @@ class RecipeConfig:
     data: DataConfig = setting(help="prompt files and the embedding cache")
     sampling: SamplingConfig = setting(help="rollouts")
     batch: BatchConfig = setting(help="global batch and micro-batches")
-    algorithm: str = setting(choices=("grpo", "nft", "awm"),
-                             help="the objective: grpo (clipped ratio of SDE transitions), nft (DiffusionNFT) or awm "
-                                  "(advantage-weighted matching); everything else is shared")
-    grpo: GRPOConfig = setting(help="group advantages (all algorithms) and the GRPO loss")
-    matching: MatchingConfig | None = setting(None, help="nft and awm: the forward-process objective; null for grpo")
+    algorithm: str = setting(choices=tuple(OBJECTIVES),
+                             help="the objective (grpo/objectives/): grpo (clipped ratio of SDE transitions), nft "
+                                  "(DiffusionNFT) or awm (advantage-weighted matching); its settings are the section "
+                                  "of the same name, everything else is shared")
     rewards: dict[str, Any] = setting(help="{name: weight} or {name: {weight: w, option: value}}; see Reward options")
-    normalize_rewards_per_group: bool = setting(
-        False, help="normalise each reward within its group before weighting (MixGRPO)")
+    advantage: AdvantageConfig = setting(help="group-relative advantages, shared by every objective")
     optim: OptimConfig = setting(help="AdamW and gradient clipping")
     deepspeed: DeepSpeedConfig = setting(help="DeepSpeed ZeRO-3")
     logging: LoggingConfig = setting(resume=FREE, help="metrics, samples and eval")
@@ -262,6 +244,13 @@ class RecipeConfig:
     ema: EMAConfig = setting(resume=FREE, factory=EMAConfig, help="exponential moving average of the weights")
     faults: FaultsConfig = setting(resume=FREE, help="handling of non-finite steps and hung ranks")
     profile: ProfileConfig = setting(resume=FREE, factory=ProfileConfig, help="torch.profiler traces")
+
+
+# One optional section per objective, named after it (grpo/objectives/): exactly the one `algorithm` names is given.
+RecipeConfig = dataclasses.make_dataclass(
+    "RecipeConfig",
+    [(name, objective.Settings | None, setting(None, help=objective.help)) for name, objective in OBJECTIVES.items()],
+    bases=(_SharedConfig,), kw_only=True, namespace={"__module__": __name__, "__doc__": "The recipe's settings."})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -276,14 +265,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config: {path} does not exist; pass a preset such as recipes/configs/tiny/grpo_lora.yaml")
-        loaded = read_yaml(path)
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config: {path} must be a mapping of settings at the top level")
-        raw = loaded
+        raw = read_preset(path)  # the preset with its `extends:` chain merged in; overrides apply after
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r}: expected key=value, e.g. max_steps=10")
@@ -294,6 +276,9 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if key.startswith("lora.") and raw.get("lora", "absent") is None:
             raw["lora"] = {**LORA_SWITCH_DEFAULTS}  # lora.rank=16 on a full preset switches LoRA on
         set_dotted(raw, key, value)
+    if isinstance(raw.get("data"), dict) and "train_prompts" not in raw["data"]:  # the FLUX.1-dev presets name none
+        raise ConfigError(f"data.train_prompts: missing from {path or 'the config'}; set it to your prompt file (a "
+                          "text file, one training prompt per line): add data.train_prompts=PATH to the command")
     cfg = build(RecipeConfig, raw, source=str(path) if path is not None else None)
     validate(cfg)
     return cfg
@@ -316,7 +301,15 @@ def describe_settings() -> str:
 
 
 def to_dict(cfg: RecipeConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    """The settings as plain data, the objective's section right after `algorithm`, the others left out."""
+    d = dataclasses.asdict(cfg)
+    sections = {name: d.pop(name) for name in OBJECTIVES}
+    out = {}
+    for k, v in d.items():
+        out[k] = v
+        if k == "algorithm":
+            out[v] = sections[v]
+    return out
 
 
 def dump_config(cfg: RecipeConfig, path: str | Path) -> None:

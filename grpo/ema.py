@@ -49,7 +49,7 @@ def _all_gather(shard: torch.Tensor) -> torch.Tensor:
 class ShardedEMA:
     """EMA of the trainable parameters of a ZeRO-3 engine, one fp32 shard per rank.
 
-    Serves as the eval/export EMA (ema.decay) and as nft/awm's lagging policy (matching.lag_*, whose decay grows
+    Serves as the eval/export EMA (ema.decay) and as nft/awm's lagging policy (<objective>.lag_*, whose decay grows
     with the optimizer steps): a LoRA run keeps one more copy of the adapters, a full fine-tune one more fp32 shard,
     never a second copy of the base weights.
 

@@ -6,12 +6,11 @@ runs on 1, 2, 8 or 64 processes and trains the same samples in each optimizer st
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from grpo.config import RecipeConfig
 from grpo.errors import ConfigError
-from grpo.tree import Tree
+from grpo.rollout_plan import RolloutPlan
 
 
 @dataclass(frozen=True)
@@ -50,14 +49,6 @@ class Layout:
         return self.micro_batch_size * self.grad_accum_steps * self.world_size
 
 
-def trained_transitions(num_steps: int, timestep_fraction: float) -> int:
-    """K: transitions trained per trajectory, out of the N-1 that can change the decoded image.
-
-    The last transition x_{N-1} -> x_N is never trained: the image is decoded from x0 predicted at x_{N-1}.
-    """
-    return max(1, math.floor((num_steps - 1) * timestep_fraction))
-
-
 def derive_layout(cfg: RecipeConfig, world_size: int) -> Layout:
     """Check the batch arithmetic for `world_size` processes and return the per-rank layout (`cfg` is validated by
     load_config)."""
@@ -87,16 +78,8 @@ def derive_layout(cfg: RecipeConfig, world_size: int) -> Layout:
             f"update block; make micro_batch_size and the {per_rank // b.updates_per_step} images per process and "
             f"update multiples of group_size {s.group_size}"
         )
-    # Backward passes per trajectory, fixed for a run as DeepSpeed's gradient accumulation needs: every window
-    # step with an SDE window, every edge of a tree, matching.timesteps noise levels for nft / awm.
-    if cfg.matching is not None:  # nft / awm: noise levels per image
-        k = cfg.matching.timesteps
-    elif s.branch is not None:
-        k = len(Tree.of(s).trained())
-    elif s.window is not None:
-        k = s.window.size
-    else:
-        k = trained_transitions(s.num_steps, cfg.grpo.timestep_fraction)
+    # Backward passes per trajectory, fixed for a run as DeepSpeed's gradient accumulation needs.
+    k = RolloutPlan.of(cfg).trained_per_trajectory
     per_update = per_rank // b.updates_per_step
     micro_per_update = per_update // b.micro_batch_size
     return Layout(

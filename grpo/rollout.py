@@ -22,7 +22,6 @@ from grpo.prompts import PromptCache
 from grpo.sde import StepOut, dynamic_sigmas, predicted_x0, sde_mean_std, sde_sample, sde_step, shifted_sigmas
 from grpo.solvers import dpm_solver_pp_sample, flash_sigmas
 from grpo.tree import Tree
-from grpo.windows import rollout_window
 
 
 @dataclass
@@ -40,7 +39,12 @@ class SDEParams:
 class Trajectories:
     latents: torch.Tensor  # [B, K+1, S, C] float32: x_0 (noise) .. x_K, K = T, or L+1 before a dpm2 tail
     log_probs: torch.Tensor | None  # [B, K] float32 (0 at ODE steps outside the window); None for ODE rollouts
-    x0: torch.Tensor  # [B, S, C] float32: the clean latent that is decoded
+    # [B, S, C] float32: the clean latent that is decoded: x0 predicted at the last step, x - sigma_{T-1}·v (as
+    # DanceGRPO@15cc71d fastvideo/train_grpo_flux.py:250-257), or the dpm2 tail's end. With sde: flow and an SDE
+    # last step this differs from Flow-GRPO, which decodes the last latent, still carrying that step's noise
+    # (flow_grpo@9745241 flow_grpo/diffusers_patch/flux_pipeline_with_logprob.py:145-181). The same for cps (no
+    # noise into sigma 0) and for a last step outside the window (an Euler step to sigma 0 lands on x0).
+    x0: torch.Tensor
     means: torch.Tensor | None = None  # [B, K, S, C] SDE means of each step, when recorded (GRPO-Guard)
     nfe: int = 0  # transformer calls per trajectory, solver tail included
 
@@ -51,7 +55,14 @@ class Trajectories:
 
 
 def timestep(sigmas: torch.Tensor, i: int, batch: int) -> torch.Tensor:
-    """The transformer's timestep input for step i, built like FluxPipeline builds it (t*1000, then /1000)."""
+    """The transformer's timestep input for step i, built like FluxPipeline builds it (t*1000, then /1000): sigma_i.
+
+    As Flow-GRPO (flow_grpo@9745241 flow_grpo/diffusers_patch/flux_pipeline_with_logprob.py:150-153: t/1000, t the
+    scheduler's float sigma*1000). DanceGRPO, MixGRPO and BranchGRPO feed int(sigma*1000)/1000 instead, sigma
+    truncated to 1e-3 (up to 1e-3 lower; their SDE step still uses the exact sigma): DanceGRPO@15cc71d
+    fastvideo/train_grpo_flux.py:230-238, 279, 506-508; MixGRPO@e5cdd6a fastvideo/utils/sampling_utils.py:63-71,
+    fastvideo/train_grpo_flux.py:132, 387-390; BranchGRPO@19fbb9f fastvideo/train_branchgrpo_flux.py:427-443, 733.
+    """
     return (sigmas[i] * 1000).expand(batch) / 1000
 
 
@@ -210,10 +221,6 @@ class FluxSampler:
         noise = torch.stack([initial_noise(shape, self.seed, step, k, stream) for k in keys])
         return pack(noise).to(self.device)
 
-    def window(self, step: int) -> range | None:
-        """The SDE window of GRPO step `step` (grpo/windows.py), or None: every step SDE."""
-        return rollout_window(self.sampling, self.seed, step)
-
     def sample(self, model: torch.nn.Module, cond: Conditioning, init_latents: torch.Tensor,
                noise_generators: list[torch.Generator] | None = None, window: range | None = None,
                eta: float | None = None, keep_means: bool = False) -> Trajectories:
@@ -232,6 +239,10 @@ class FluxSampler:
             last = window[-1]
             tail = flash_sigmas(self.sigmas, last, self.sampling.compress_ratio, float(self.sampling.shift))[last + 1:]
         return sample(model, cond, init_latents, self.sigmas, sde, noise_generators, window, tail, keep_means)
+
+    def velocity_at(self, model: torch.nn.Module, x: torch.Tensor, i: int, cond: Conditioning) -> torch.Tensor:
+        """`model`'s velocity at latents `x` [B, S, C] at schedule point i (nft/awm's noised clean samples)."""
+        return velocity(model, x, timestep(self.sigmas, i, len(x)).to(x.device), cond)
 
     def transition(self, model: torch.nn.Module, cond: Conditioning, latents: torch.Tensor, i: int) -> StepOut:
         """:func:`transition` i of stored trajectory `latents` along this sampler's schedule."""

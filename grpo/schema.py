@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import textwrap
 import types
 import typing
 from dataclasses import MISSING
@@ -20,7 +21,8 @@ import yaml
 
 from grpo.errors import ConfigError
 
-__all__ = ["setting", "build", "coerce", "fields_along", "describe", "read_yaml", "parse_value", "set_dotted"]
+__all__ = ["setting", "build", "coerce", "fields_along", "describe", "annotated", "read_yaml", "read_preset", "merge",
+           "parse_value", "set_dotted"]
 
 
 def setting(default: Any = MISSING, *, help: str, resume: str = "fixed", path: bool = False,
@@ -199,6 +201,46 @@ def describe(cls: type, prefix: str = "") -> list[str]:
     return lines
 
 
+def _yaml_scalar(value: Any) -> str:
+    """`value` (a scalar or a list) as YAML flow text that loads back to it."""
+    return yaml.safe_dump(value, default_flow_style=True, width=10_000, sort_keys=False).strip().removesuffix(
+        "\n...").strip()
+
+
+def annotated(obj: Any, order: list[str] | None = None, indent: int = 0, width: int = 118) -> list[str]:
+    """The settings of the dataclass instance `obj` as YAML lines, each key under its help text as a comment (sections
+    recursed), so that the text loads back to the same settings. A top-level section that is null by default and null
+    here is left out, as a preset leaves it out (a section its settings do not use). `order`: the top-level keys in
+    the order to print them (others after them)."""
+    lines = []
+    pad = "  " * indent
+    hints = typing.get_type_hints(type(obj))
+    fields = dataclasses.fields(obj)
+    if order is not None:
+        fields = sorted(fields, key=lambda f: order.index(f.name) if f.name in order else len(order))
+    for f in fields:
+        value = getattr(obj, f.name)
+        inner, _ = _split_optional(hints[f.name])
+        if indent == 0 and value is None and _is_section(inner) and f.default is None:
+            continue
+        note = f.metadata.get("help", "")
+        if f.metadata.get("choices"):
+            note += "; one of " + " | ".join(map(str, f.metadata["choices"]))
+        if f.metadata.get("resume") == "free":
+            note += " [may change on resume]"
+        if indent == 0 and (dataclasses.is_dataclass(value) or isinstance(value, dict) or value is None) and lines:
+            lines.append("")  # a blank line between top-level sections, as in a preset
+        lines += [f"{pad}# {text}" for text in textwrap.wrap(note, max(40, width - len(pad) - 2))]
+        if dataclasses.is_dataclass(value):
+            lines += [f"{pad}{f.name}:", *annotated(value, None, indent + 1, width)]
+        elif isinstance(value, dict) and value:
+            block = yaml.safe_dump(value, default_flow_style=False, width=10_000, sort_keys=False).splitlines()
+            lines += [f"{pad}{f.name}:", *(f"{pad}  {line}" for line in block)]
+        else:
+            lines.append(f"{pad}{f.name}: {_yaml_scalar(value)}")
+    return lines
+
+
 # ------------------------------------------------------------------------------------------------------ YAML input
 
 
@@ -259,6 +301,64 @@ def read_yaml(path: Path) -> Any:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
         raise ConfigError(f"config: {path} is not valid YAML{where}; fix the syntax") from None
+
+
+def merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
+    """`overlay` deep-merged over `base` (neither is changed): mappings merge key by key; anything else (a scalar, a
+    list, null) replaces, so `lora: null` drops a whole section and `target_modules: [...]` replaces the list."""
+    out = dict(base)
+    for key, value in overlay.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def read_preset(path: Path) -> dict[str, Any]:
+    """The settings of the preset in `path` with its `extends:` chain resolved: `extends: base.yaml` (a path relative
+    to the file) names the preset this one is deep-merged over (:func:`merge`), and that one may extend another.
+
+    Each file is read by :func:`read_yaml` (duplicate keys refused per file). A cycle, a missing or non-mapping base,
+    or an `extends` that is not a path is a one-line ConfigError naming the file and the fix.
+    """
+    chain: list[Path] = []  # the files read so far, resolved (a cycle is the same file twice)
+    names: list[str] = []   # the same, as named
+    layers: list[dict[str, Any]] = []
+    current, named_by, base = Path(path), None, None
+    while True:
+        if not current.is_file():
+            if named_by is None:
+                raise ConfigError(f"config: {current} does not exist; pass a preset such as "
+                                  "recipes/configs/tiny/grpo_lora.yaml")
+            raise ConfigError(f"config: {named_by}: extends: {base} does not exist ({current}); give the path of "
+                              f"a preset relative to {named_by.parent}")
+        if current.resolve() in chain:
+            loop = " -> ".join([*names, str(current)])
+            raise ConfigError(f"config: {named_by}: extends makes a cycle ({loop}); remove the extends that closes "
+                              "the loop")
+        chain.append(current.resolve())
+        names.append(str(current))
+        loaded = read_yaml(current)
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            if named_by is None:
+                raise ConfigError(f"config: {current} must be a mapping of settings at the top level")
+            raise ConfigError(f"config: {current} (extended by {named_by}) must be a mapping of settings at the top "
+                              "level; point extends at a preset")
+        base = loaded.pop("extends", None)
+        layers.append(loaded)
+        if base is None:
+            break
+        if not isinstance(base, str) or not base.strip():
+            raise ConfigError(f"config: {current}: extends: expected the path of a preset relative to the file "
+                              f"(e.g. extends: base.yaml), got {base!r}")
+        current, named_by = current.parent / base, current
+    raw: dict[str, Any] = {}
+    for layer in reversed(layers):  # the farthest base first, the file itself last
+        raw = merge(raw, layer)
+    return raw
 
 
 def set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:

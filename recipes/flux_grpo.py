@@ -16,14 +16,16 @@ One step (`step()`, which the training loop, the tools and the tests all run) re
 
 Features and the settings that control them (see grpo/config.py for every key):
     full fine-tune or LoRA ........ lora: null | {rank, alpha, target_modules}
-    KL to a reference ............. grpo.kl_coef (0 = no reference model at all); LoRA: adapters disabled;
+    KL to a reference ............. <objective>.kl_coef (0 = no reference model at all); LoRA: adapters disabled;
                                     full: a second ZeRO-3 engine without optimizer
     sharding/offload/precision .... deepspeed.config (ds_configs/*.json); batch fields are derived, never set there
     activation recompute .......... model.gradient_checkpointing
     sampler ....................... sampling.{num_steps, eta, sde: dance|flow|cps, shift, guidance, init_same_noise}
     fast GRPO strategies .......... sampling.window (MixGRPO, Flow-GRPO-Fast), sampling.tail: dpm2 (MixGRPO-Flash),
                                     grpo.ratio_norm (GRPO-Guard), sampling.branch (BranchGRPO's trees, grpo/tree.py)
-    objective ..................... algorithm: grpo | nft | awm; matching.* for nft/awm (grpo/matching.py)
+    objective ..................... algorithm: grpo | nft | awm, its settings in the section of that name
+                                    (grpo/objectives/: the recipe calls the objective, never asks which it is)
+    advantages .................... advantage.{clip, std_scope, eps, per_reward}
     batch ......................... batch.{prompts_per_step (global), micro_batch_size, rollout_micro_batch_size,
                                     updates_per_step},
                                     sampling.group_size (global); per-rank values derived from the world size
@@ -69,24 +71,22 @@ from grpo import engine as eng
 from grpo import eval as evals
 from grpo import export, health
 from grpo import lock as out_lock
-from grpo.advantages import group_advantages
-from grpo.tree import depth_advantages
 from grpo.config import RecipeConfig, dump_config, load_config, to_dict
-from grpo.data import matching_noise, micro_batches, prompts_for_step, step_noise_generator, trained_steps
+from grpo.data import micro_batches, prompts_for_step, step_noise_generator
 from grpo.distributed import gather_by_index
 from grpo.ema import ShardedEMA
 from grpo.errors import ConfigError, rank_exit
-from grpo.flux import compile_blocks, compile_seconds, enable_checkpointing, load_parts, velocity
+from grpo.flux import compile_blocks, compile_seconds, enable_checkpointing, load_parts
 from grpo.inputs import check_inputs
 from grpo.loading import transformer_loader
-from grpo.loss import RatioNorm, grpo_loss, poison_nonfinite
-from grpo.matching import awm_loss, decay, forward_noise, nft_loss, optimality_weight, velocity_mse
+from grpo.loss import poison_nonfinite
 from grpo.metrics import MetricsLogger, progress, save_grid
 from grpo.profiling import PhaseClock, StepProfiler
 from grpo.prompts import ensure_cache, load_cache
+from grpo.objectives import Models
 from grpo.rewards import build_rewards, finite_check, mix
-from grpo.rollout import FluxSampler, timestep
-from grpo.sde import kl_same_std
+from grpo.rollout import FluxSampler
+from grpo.rollout_plan import RolloutPlan
 from grpo.step import Chunk, LossSums, StepResult, UpdateStats
 
 log = logging.getLogger("flux_grpo")
@@ -133,7 +133,9 @@ class FluxGRPORecipe:
         self.lock = out_lock.take(self.out, self.rank)
         self.resume_from = ckpt.resume_point(cfg, self.world)  # None: fresh start (output_dir must be empty)
         self.show_progress = self.rank == 0 and cfg.logging.progress
-        self.kl_coef = cfg.matching.kl_coef if cfg.matching is not None else cfg.grpo.kl_coef  # 0: no reference
+        # what is trained and its cost (grpo/rollout_plan.py), and the objective (grpo/objectives/)
+        self.plan = RolloutPlan.of(cfg)
+        self.objective = self.plan.objective
         dev.seed_everything(cfg.seed + self.rank)
 
     # ------------------------------------------------------------------------------------------------ setup
@@ -152,7 +154,6 @@ class FluxGRPORecipe:
         self.vae = parts.vae if cfg.model.offload_vae else parts.vae.to(self.device)  # decode() visits the device
         dev.set_attention_backend(parts.transformer, cfg.model.attention_backend)
         self.sampler = FluxSampler.from_parts(parts, self.vae, cfg.sampling, cfg.seed, self.device, self.dtype)
-        self.tree = self.sampler.tree  # BranchGRPO (sampling.branch): groups are trees, per-depth advantages
         self.rewards = build_rewards(cfg.rewards, self.device)
         self.engine, self.scheduler = build_policy(parts.transformer, cfg, self.ds_config)
         self.reference = self._setup_reference()
@@ -179,12 +180,13 @@ class FluxGRPORecipe:
         self.eval_prompts = load_cache(paths["eval"]) if "eval" in paths else None
 
     def _setup_run_state(self) -> None:
-        """EMA, the lagging policy (nft/awm), the checkpoint to resume from (weights, optimizer, RNG, counters),
+        """EMA, the lagging policy (nft, awm), the checkpoint to resume from (weights, optimizer, RNG, counters),
         metrics."""
         cfg = self.cfg
         self.ema = ShardedEMA(self.engine, cfg.ema.decay) if cfg.ema.decay else None
         # nft samples with it and mixes it into its implicit policies; awm anchors to it (grpo/matching.py)
-        self.lagging = ShardedEMA(self.engine, 0.0, prefix="lag/") if cfg.matching is not None else None
+        self.lagging = ShardedEMA(self.engine, 0.0, prefix="lag/") if self.objective.uses_lagging else None
+        self.models = Models(self.engine, self.sampler, self.lagging, self._inference)  # what the objective uses
         self.checkpoints = ckpt.Checkpointer(cfg, self.rank, self.world)
         self.state = ckpt.RunState(step=0)
         if self.resume_from is not None:
@@ -199,7 +201,7 @@ class FluxGRPORecipe:
 
     def _setup_reference(self):
         """None when kl_coef = 0; the policy itself with adapters disabled for LoRA; else a sharded frozen copy."""
-        if self.kl_coef == 0 or self.cfg.lora is not None:
+        if self.objective.kl_coef == 0 or self.cfg.lora is not None:
             return None
         transformer = self.load_transformer(self.model_path, self.dtype)
         dev.set_attention_backend(transformer, self.cfg.model.attention_backend)  # the policy's kernels, or the KL
@@ -237,7 +239,7 @@ class FluxGRPORecipe:
                 self.metrics.log(step, stats)
                 self.profiler.stop()
                 if self.rank == 0:
-                    log.info(health.health_line(step, stats, cfg.grpo.clip_range))
+                    log.info(health.health_line(step, stats, self.objective.ratio_clip))
                 if cfg.logging.sample_every and step % cfg.logging.sample_every == 0 and self.rank == 0:
                     save_grid(result.images, self.out / "samples" / f"step_{step:05d}.png", cfg.sampling.group_size)
                 if self._after_step(step + 1, stop, too_many_skips):
@@ -260,7 +262,7 @@ class FluxGRPORecipe:
             rewards, reward_stats = self.score(chunks, step)
             advantages, adv_stats = self.advantages(rewards)
         with clock("train"):
-            self.fixed_targets(chunks, step)
+            self.objective.fixed_targets(self.models, chunks, step)
             if torch.isfinite(rewards).all():
                 update = self.update(step, chunks, advantages)
             else:  # a NaN reward would poison every advantage of the step: skip the update, keep the count
@@ -274,11 +276,7 @@ class FluxGRPORecipe:
         if self.cfg.model.compile:  # compile time is part of the phases' times above; reported apart
             timings["time/compile_s"] = compile_seconds() - compiling
         # Transformer compute per image in forward-equivalents (a backward counts 2): what strategies trade.
-        per_trained = 3 + (self.kl_coef > 0) + self._uses_lagging_velocity
-        if self.tree is not None:
-            cost = self.tree.forwards_per_image(chunks[0].trained, per_trained)
-        else:
-            cost = chunks[0].traj.nfe + len(chunks[0].trained) * per_trained
+        cost = self.plan.forwards_per_image(step)
         return StepResult(chunks, rewards, advantages, {**reward_stats, **adv_stats, **update.metrics(), **timings,
                                                         "forwards_per_image": float(cost)})
 
@@ -310,11 +308,10 @@ class FluxGRPORecipe:
         micro-batches (the unit of everything after), and decode x0 predicted at the last step."""
         cfg, g, lay = self.cfg, self.cfg.sampling.group_size, self.layout
         prompt_of_slot = prompts_for_step(len(self.train_prompts), cfg.batch.prompts_per_step, cfg.seed, step)
-        window = self.sampler.window(step)  # None: every step SDE, a random share of them trained per chunk
-        # grpo trains K of the N-1 transitions; nft/awm noise the clean samples at K of the N schedule points
-        points = cfg.sampling.num_steps if cfg.matching is not None else cfg.sampling.num_steps - 1
+        window = self.plan.window(step)  # None: every step SDE, a random share of them trained per chunk
         chunks = []
-        with self._rollout_weights(), eng.inference_module(self.engine, cfg.deepspeed.gather_for_rollout) as model:
+        with (self.objective.rollout_weights(self.models),
+              eng.inference_module(self.engine, cfg.deepspeed.gather_for_rollout) as model):
             for ids in progress(micro_batches(lay.rank_sample_ids(self.rank), lay.rollout_micro_batch_size),
                                 f"rollout {step}", self.show_progress):
                 prompt_idx = [prompt_of_slot[s // g] for s in ids]
@@ -322,13 +319,10 @@ class FluxGRPORecipe:
                 cond = self.sampler.conditioning(self.train_prompts, prompt_idx)
                 traj = self.sampler.sample(model, cond, self.sampler.initial_latents(step, noise_keys),
                                            [step_noise_generator(cfg.seed, step, s) for s in ids], window,
-                                           keep_means=cfg.grpo.ratio_norm)
+                                           keep_means=self.objective.keep_means)
                 for i in range(0, len(ids), lay.micro_batch_size):
                     rows = slice(i, i + lay.micro_batch_size)
-                    if window is not None or self.tree is not None:
-                        trained = list(window) if window is not None else self.tree.trained()
-                    else:
-                        trained = trained_steps(points, lay.trained_transitions, cfg.seed, step, ids[rows][0])
+                    trained = self.plan.trained(step, window, ids[rows][0])
                     chunks.append(Chunk(ids[rows], prompt_idx[rows], cond.select(rows), traj.select(rows), trained))
         for c in chunks:  # decode after the gathered weights are released
             c.images = self.sampler.decode(c.traj.x0)
@@ -347,46 +341,19 @@ class FluxGRPORecipe:
         local = health.inject("nan_reward", step, self.rank, torch.cat(local))  # a no-op outside fault tests
         components = gather_by_index(local, torch.tensor(ids, device=local.device), self.layout.samples_per_step)
         nonfinite = finite_check(components, self.rewards.names)  # over every rank's images
-        groups = torch.arange(self.layout.samples_per_step, device=components.device) // self.cfg.sampling.group_size
-        total = mix(components, self.rewards.weights.to(components.device), groups,
-                    self.cfg.normalize_rewards_per_group)
+        total = mix(components, self.rewards.weights.to(components.device))
         stats = {"reward_mean": total.mean().item(), "reward_std": total.std().item()}
         for i, name in enumerate(self.rewards.names):
             stats[f"reward/{name}_mean"] = components[:, i].mean().item()
         stats.update({f"nonfinite/{k}": float(v) for k, v in nonfinite.items()})
-        return total, stats
+        return components, stats
 
     # -------------------------------------------------------------------------------------------- advantage
-    def advantages(self, rewards: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def advantages(self, components: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """[N] group advantages, or with a tree [N, num_steps + 1]: column d for the edges into depth d."""
-        if self.tree is not None:
-            adv, stats = depth_advantages(rewards, self.tree, clip=self.cfg.grpo.adv_clip)
-        else:
-            groups = torch.arange(len(rewards), device=rewards.device) // self.cfg.sampling.group_size
-            adv, stats = group_advantages(rewards, groups, std_scope=self.cfg.grpo.std_scope,
-                                          clip=self.cfg.grpo.adv_clip)
-        return adv, {k: float(v) for k, v in stats.items()}
+        return self.plan.advantages(components, self.rewards.weights.to(components.device))
 
     # -------------------------------------------------------------------------------------------- reference
-    @torch.no_grad()
-    def fixed_targets(self, chunks: list[Chunk], step: int) -> None:
-        """What the update compares against, computed sharded and without gradients, into each chunk: grpo's
-        reference SDE means (kl_coef > 0); nft/awm's noised samples, the lagging policy's and the reference's
-        velocities at them."""
-        matching = self.cfg.matching is not None
-        if matching:
-            self._noise_clean_samples(chunks, step)
-            if self._uses_lagging_velocity:
-                with self.lagging.applied(), self._inference() as model:
-                    for c in chunks:
-                        c.lagging = {j: self._velocity(model, c, j) for j in c.trained}
-        if self.kl_coef == 0:
-            return
-        with self._inference(reference=True) as model:
-            for c in chunks:
-                c.reference = {j: self._velocity(model, c, j) if matching else
-                               self.sampler.transition(model, c.cond, c.traj.latents, j).mean for j in c.trained}
-
     @contextlib.contextmanager
     def _inference(self, reference: bool = False):
         """A no-grad forward module: the policy (its lagging weights inside lagging.applied()), or the reference
@@ -402,49 +369,24 @@ class FluxGRPORecipe:
                 if reference and lora:
                     model.enable_adapters()
 
-    def _noise_clean_samples(self, chunks: list[Chunk], step: int) -> None:
-        """nft/awm: x_t = (1 - t)·x0 + t·eps at each trained schedule point t = sigma_j, eps keyed on the sample."""
-        cfg, points = self.cfg, self.cfg.sampling.num_steps
-        for c in chunks:
-            for j in c.trained:
-                eps = torch.stack([matching_noise(c.traj.x0.shape[1:], cfg.seed, step, i, j, points)
-                                   for i in c.ids]).to(c.traj.x0.device)
-                t = self.sampler.sigmas[j].expand(len(c.ids)).to(c.traj.x0.device)
-                c.noised[j] = (forward_noise(c.traj.x0, eps, t), eps)
-
-    def _velocity(self, model, c: Chunk, j: int) -> torch.Tensor:
-        x_t = c.noised[j][0]
-        return velocity(model, x_t, timestep(self.sampler.sigmas, j, len(c.ids)).to(x_t.device), c.cond)
-
-    @property
-    def _uses_lagging_velocity(self) -> bool:
-        m = self.cfg.matching
-        return m is not None and (self.cfg.algorithm == "nft" or m.anchor_coef > 0)
-
-    def _rollout_weights(self):
-        """nft samples with the lagging (old) policy (DiffusionNFT Algorithm 1); grpo and awm with the policy."""
-        return self.lagging.applied() if self.cfg.algorithm == "nft" else contextlib.nullcontext()
-
     def _update_averages(self) -> None:
         """After a step that updated the weights: the eval EMA, and the lagging policy at its scheduled decay."""
         if self.ema is not None:
             self.ema.update()
         if self.lagging is not None:
-            m = self.cfg.matching
-            self.lagging.update(decay(self.engine.global_steps, m.lag_rate, m.lag_max, m.lag_start))
+            self.lagging.update(self.objective.lagging_decay(self.engine.global_steps))
 
     # ----------------------------------------------------------------------------------------------- update
     def update(self, step: int, chunks: list[Chunk], advantages: torch.Tensor) -> UpdateStats:
-        """Accumulate the objective's loss over the trained transitions (grpo) or noise levels (nft/awm) of each
-        update block, then step."""
+        """Accumulate the objective's loss over the trained points (transitions or noise levels) of each update
+        block, then step."""
         per_update = self.layout.micro_batches_per_update
         sums = LossSums()
         skipped_before = self.engine.skipped_steps
-        loss_of = {"grpo": self._grpo_loss, "nft": self._nft_loss, "awm": self._awm_loss}[self.cfg.algorithm]
         for n, c in enumerate(progress(chunks, f"update {step}", self.show_progress)):
             adv = advantages[torch.tensor(c.ids, device=advantages.device)]
             for j in c.trained:
-                loss, st = loss_of(c, j, adv)
+                loss, st = self.objective.loss(self.models, c, j, adv)
                 loss = health.inject("nan_loss", step, self.rank, loss)  # a no-op outside fault tests
                 loss = poison_nonfinite(loss)  # ZeRO-3 then skips the optimizer step (non-finite grad norm)
                 self.engine.backward(loss)
@@ -461,54 +403,6 @@ class FluxGRPORecipe:
         stats.skipped_updates = float(skipped)
         stats.nonfinite_grad = float(skipped if stats.nonfinite_loss == 0 else 0)
         return stats
-
-    def _grpo_loss(self, c: Chunk, j: int, adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """The clipped ratio of transition j's log-prob under the policy and at rollout, + the Gaussian KL."""
-        g = self.cfg.grpo
-        out = self.sampler.transition(self.engine, c.cond, c.traj.latents, j)
-        kl = kl_same_std(out.mean, c.reference[j], out.std) if g.kl_coef > 0 else None
-        if self.tree is None:
-            return grpo_loss(out.log_prob, c.traj.log_probs[:, j], adv, clip_range=g.clip_range, kl=kl,
-                             kl_coef=g.kl_coef, ratio_norm=self._ratio_norm(out, c, j))
-        # One row per edge into depth j + 1, with that node's advantage; summed over the edges and divided by the
-        # samples, so every edge of the tree weighs the same (the source's loss / (GA * edges per tree)).
-        edges = self.tree.heads(len(c.ids), j + 1).to(adv.device)
-        loss, st = grpo_loss(out.log_prob, c.traj.log_probs[edges, j], adv[edges, j + 1], clip_range=g.clip_range,
-                             kl=kl, kl_coef=g.kl_coef)
-        return loss * (len(edges) / len(c.ids)), st
-
-    def _nft_loss(self, c: Chunk, j: int, adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """DiffusionNFT at schedule point j: the implicit positive/negative policies around the lagging one."""
-        m, (x_t, _) = self.cfg.matching, c.noised[j]
-        v = self._velocity(self.engine, c, j)
-        t = self.sampler.sigmas[j].expand(len(c.ids)).to(x_t.device)
-        r = optimality_weight(adv, self.cfg.grpo.adv_clip)
-        loss, st = nft_loss(v, c.lagging[j], x_t, c.traj.x0, t, r, m.beta, self.cfg.grpo.adv_clip)
-        return self._plus_kl(loss, st, v, c, j)
-
-    def _awm_loss(self, c: Chunk, j: int, adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """AWM at schedule point j: flow matching weighted by the advantage (scaled to +-1), + the anchor term."""
-        m, (_, eps) = self.cfg.matching, c.noised[j]
-        v = self._velocity(self.engine, c, j)
-        t = self.sampler.sigmas[j].expand(len(c.ids)).to(v.device)
-        loss, st = awm_loss(v, c.traj.x0, eps, t, adv / self.cfg.grpo.adv_clip, m.huber_p)
-        if m.anchor_coef > 0:
-            anchor = velocity_mse(v, c.lagging[j]).mean()
-            loss, st = loss + m.anchor_coef * anchor, {**st, "anchor": anchor.detach()}
-        return self._plus_kl(loss, st, v, c, j)
-
-    def _plus_kl(self, loss: torch.Tensor, st: dict, v: torch.Tensor, c: Chunk, j: int) -> tuple[torch.Tensor, dict]:
-        if self.kl_coef == 0:
-            return loss, st
-        kl = velocity_mse(v, c.reference[j]).mean()
-        return loss + self.kl_coef * kl, {**st, "kl": kl.detach()}
-
-    def _ratio_norm(self, out, c: Chunk, j: int) -> RatioNorm | None:
-        """GRPO-Guard (grpo.ratio_norm): the rollout's and the policy's SDE means of transition j, and its scales."""
-        if not self.cfg.grpo.ratio_norm:
-            return None
-        sqrt_dt = float(self.sampler.sigmas[j] - self.sampler.sigmas[j + 1]) ** 0.5
-        return RatioNorm(out.mean, c.traj.means[:, j], out.std / sqrt_dt, sqrt_dt)
 
     # --------------------------------------------------------------------------------------------- evaluate
     @torch.no_grad()

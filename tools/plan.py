@@ -1,7 +1,8 @@
 """Per-device memory planner for the GRPO recipe under DeepSpeed ZeRO-3: does a config fit, and what to change if not.
 
     python -m tools.plan CONFIG --devices N --device-memory 64GB [key=value ...]
-    python -m tools.plan recipes/configs/flux1_dev/grpo_full.yaml --devices 8 --device-memory 64GB
+    python -m tools.plan recipes/configs/flux1_dev/grpo_full.yaml data.train_prompts=my_prompts.txt --devices 8 \
+        --device-memory 64GB
 
 Nothing is loaded or downloaded: the transformer and the VAE are built on the meta device from their config.json
 (from model.path, the local Hugging Face cache, or flux_configs.json next to this file for FLUX.1-dev/schnell).
@@ -53,6 +54,7 @@ from torch.utils._pytree import tree_leaves
 
 from grpo.config import LoraConfig, RecipeConfig, load_config
 from grpo.layout import derive_layout
+from grpo.objectives import objective_of
 from grpo.device import resolve_dtype
 from grpo.errors import ConfigError, run_command
 from grpo.flux import enable_checkpointing
@@ -415,7 +417,8 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
     for k in ("weights", "gradients", "master", "optimizer"):
         to_host = zero["offload_param"] if k == "weights" else zero["offload_optimizer"]
         (host if to_host else resident)[k] = states[k]
-    kl_coef = cfg.matching.kl_coef if cfg.matching is not None else cfg.grpo.kl_coef
+    objective = objective_of(cfg)
+    terms, kl_coef = objective.plan_terms(), objective.kl_coef
     if kl_coef > 0 and cfg.lora is None:
         ref = model_states([(n, False) for n, _ in params], devices, b, zero, optimizer=False)["weights"]
         (host if zero["offload_param"] else resident)["reference"] = ref
@@ -424,7 +427,7 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
     average = 4 * math.ceil(n_train / devices)
     if cfg.ema.decay:
         resident["EMA"] = average
-    if cfg.matching is not None:
+    if terms.lagging_average:
         resident["lagging policy"] = average
 
     activations, backward = t.update_bytes(cfg.model.gradient_checkpointing)
@@ -453,8 +456,7 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
     latent_bytes = image_tokens * transformer_config["in_channels"] * 4
     per_sample = ((cfg.sampling.num_steps + 1) * latent_bytes
                   + text_tokens * transformer_config["joint_attention_dim"] * b + 3 * cfg.sampling.resolution**2 * 4)
-    if cfg.matching is not None:  # per noise level: x_t, eps, the lagging velocity, the reference's (KL)
-        per_sample += layout.trained_transitions * (3 + (kl_coef > 0)) * latent_bytes
+    per_sample += layout.trained_transitions * terms.latents_per_point * latent_bytes  # the objective's, per point
     trajectories = layout.samples_per_rank * per_sample
     gathered = n_params * b if cfg.deepspeed.gather_for_rollout else in_flight
     opt_step = min(zero["sub_group_size"], math.ceil(n_train / devices)) * 4 if b < 4 else 0
@@ -469,7 +471,7 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
                    "params in flight": in_flight},
         "optimizer step": ({"fp32 gradient copy": opt_step} if opt_step and not zero["offload_optimizer"] else {}),
     }
-    if kl_coef > 0 or cfg.matching is not None:
+    if terms.reference_phase:
         lora_gather = cfg.lora is not None and cfg.deepspeed.gather_for_rollout
         phases["reference"] = {"rollout batch": trajectories, "reference activations": rollout_peak,
                                "gathered weights" if lora_gather else "params in flight":
@@ -585,7 +587,8 @@ def advise(config: str | None, overrides: list[str], devices: int, memory: int, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("config", help="recipe YAML, e.g. recipes/configs/flux1_dev/grpo_full.yaml")
+    parser.add_argument("config", help="recipe YAML, e.g. recipes/configs/flux1_dev/grpo_full.yaml (with "
+                                       "data.train_prompts=PATH: the FLUX.1-dev presets name no prompt file)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, as for the recipe")
     parser.add_argument("--devices", type=int, required=True, help="number of processes (devices), N")
     parser.add_argument("--device-memory", required=True, help="memory of one device, e.g. 64GB")

@@ -24,7 +24,7 @@ import torch
 
 from grpo.errors import ConfigError
 from grpo.rewards.registry import build_rewards, check_rewards, describe_rewards
-from grpo.schema import read_yaml
+from grpo.schema import read_preset
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
@@ -95,7 +95,7 @@ def _score(args: argparse.Namespace) -> None:
 def _served_spec(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"CONFIG: {path} is not a file; give a recipe preset or a YAML rewards map")
-    raw = read_yaml(path)
+    raw = read_preset(path)  # a preset's rewards may come from the base it extends
     spec = raw.get("rewards", raw) if isinstance(raw, dict) else raw
     check_rewards(spec)
     return spec

@@ -22,7 +22,7 @@ def _run(tmp, config, out, extra):
     # lag_rate 0.3: the lagging policy's decay is 0.3 after one optimizer step, so it really lags (and must be
     # restored on resume).
     proc = run_recipe(config, [*tiny_run(tmp), "sampling.num_steps=6", "data.eval_prompts=null", "checkpoint.every=1",
-                               "matching.lag_rate=0.3", "optim.lr=1e-2", f"output_dir={out}",
+                               f"{config.split('/')[-1].split('_')[0]}.lag_rate=0.3", "optim.lr=1e-2", f"output_dir={out}",
                                f"data.cache_dir={tmp / 'cache'}", *extra], nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
 

@@ -90,7 +90,7 @@ PRESETS = {
     "flash_frozen": ("recipes/configs/tiny/mixgrpo_flash_frozen_lora.yaml", [], 1 + 2 + 3 * 1),
     "flowgrpo_fast": ("recipes/configs/tiny/flowgrpo_fast_lora.yaml", ["batch.updates_per_step=2"], 6 + 3 * 2),
     "branchgrpo": ("recipes/configs/tiny/branchgrpo_lora.yaml", ["grpo.kl_coef=0.1"], (17 + 13 * (3 + 1)) / 4),
-    "nft": ("recipes/configs/tiny/nft_lora.yaml", ["matching.kl_coef=1e-4"], 6 + 2 * (3 + 1 + 1)),
+    "nft": ("recipes/configs/tiny/nft_lora.yaml", ["nft.kl_coef=1e-4"], 6 + 2 * (3 + 1 + 1)),
     "awm": ("recipes/configs/tiny/awm_lora.yaml", ["sampling.tail=dpm2", "sampling.compress_ratio=0.5"],
             3 + 2 * (3 + 1)),
 }

@@ -41,8 +41,8 @@ def _cases(tmp: Path) -> list[dict]:
     bad_yaml.write_text("max_steps: [1, 2\n")
     list_yaml = tmp / "list.yaml"
     list_yaml.write_text("- max_steps\n- 3\n")
-    dup_yaml = tmp / "dup.yaml"  # the preset with max_steps given twice: PyYAML would keep the last silently
-    dup_yaml.write_text(Path(LORA).read_text() + "max_steps: 7\n")
+    dup_yaml = tmp / "dup.yaml"  # the preset with output_dir given twice: PyYAML would keep the last silently
+    dup_yaml.write_text(Path(LORA).read_text() + "output_dir: runs/dup\n")
     latin1_yaml = tmp / "latin1.yaml"
     latin1_yaml.write_bytes(Path(LORA).read_bytes() + "# caf\xe9\n".encode("latin-1"))
     empty_prompts = tmp / "empty.txt"
@@ -126,7 +126,7 @@ def _cases(tmp: Path) -> list[dict]:
         # numbers: non-finite anywhere, then the ranges of betas, eps, eta, clip ranges and weights
         ("infinite learning rate", ["optim.lr=inf"], "optim.lr"),
         ("NaN eta", ["sampling.eta=nan"], "sampling.eta"),
-        ("NaN advantage clip", ["grpo.adv_clip=.nan"], "grpo.adv_clip"),
+        ("NaN advantage clip", ["advantage.clip=.nan"], "advantage.clip"),
         ("infinite reward weight", ["rewards={tiny_world: {weight: .inf}}"], "rewards.tiny_world.weight"),
         ("beta above 1", ["optim.betas=[1.5, 0.999]"], "optim.betas"),
         ("three betas", ["optim.betas=[0.9, 0.99, 0.999]"], "optim.betas"),
@@ -138,7 +138,7 @@ def _cases(tmp: Path) -> list[dict]:
         ("negative eta", ["sampling.eta=-0.3"], "sampling.eta"),
         ("ratio clip range of 1", ["grpo.clip_range=1"], "grpo.clip_range"),
         ("zero ratio clip range", ["grpo.clip_range=0"], "grpo.clip_range"),
-        ("negative advantage clip", ["grpo.adv_clip=-5"], "grpo.adv_clip"),
+        ("negative advantage clip", ["advantage.clip=-5"], "advantage.clip"),
         ("negative KL weight", ["grpo.kl_coef=-0.1"], "grpo.kl_coef"),
         ("zero LoRA alpha", ["lora.alpha=0"], "lora.alpha"),
         ("LoRA dropout of 1", ["lora.dropout=1"], "lora.dropout"),

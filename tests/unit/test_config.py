@@ -6,12 +6,19 @@ from pathlib import Path
 import pytest
 
 from grpo.config import load_config
-from grpo.layout import derive_layout, trained_transitions
+from grpo.layout import derive_layout
+from grpo.objectives.grpo import trained_transitions
 from grpo.inputs import load_ds_config
 from grpo.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
-PRESETS = sorted((ROOT / "recipes" / "configs").rglob("*.yaml"))
+PRESETS = sorted(p for p in (ROOT / "recipes" / "configs").rglob("*.yaml") if p.name != "base.yaml")  # bases: no
+# objective, not runnable on their own
+
+
+def _prompts(preset: Path) -> list[str]:
+    """The FLUX.1-dev presets name no training prompts (issue 29): give the tiny world's."""
+    return ["data.train_prompts=assets/prompts/tiny_train.txt"] if preset.parent.name == "flux1_dev" else []
 DS_CONFIGS = sorted((ROOT / "ds_configs").glob("*.json"))
 
 
@@ -23,7 +30,7 @@ def test_presets_exist():
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.parent.name + "/" + p.name)
 def test_every_preset_loads_and_splits(preset):
-    cfg = load_config(preset)
+    cfg = load_config(preset, _prompts(preset))
     worlds = (1, 2) if preset.parent.name == "tiny" else (1, 2, 8, 64)
     if cfg.sampling.branch is not None and preset.parent.name != "tiny":  # whole trees of 16 on every process
         worlds = (1, 2, 8, 16)
@@ -46,13 +53,14 @@ def test_tiny_preset_on_8_and_64_processes():
 
 
 def test_tiny_presets_differ_from_flux1_dev_only_in_values():
-    """Tiny presets mirror the real ones key for key, so a user moving up changes values, not structure."""
-    import yaml
+    """Tiny presets mirror the real ones key for key (resolved), so a user moving up changes values, not structure;
+    only the training prompts, which the FLUX.1-dev ones leave to the user."""
+    from grpo.schema import read_preset
 
     for kind in ("lora", "full"):
-        tiny = yaml.safe_load((ROOT / f"recipes/configs/tiny/grpo_{kind}.yaml").read_text())
-        dev = yaml.safe_load((ROOT / f"recipes/configs/flux1_dev/grpo_{kind}.yaml").read_text())
-        assert _yaml_keys(tiny) == _yaml_keys(dev)
+        tiny = read_preset(ROOT / f"recipes/configs/tiny/grpo_{kind}.yaml")
+        dev = read_preset(ROOT / f"recipes/configs/flux1_dev/grpo_{kind}.yaml")
+        assert _yaml_keys(tiny) - {"data.train_prompts"} == _yaml_keys(dev)
 
 
 def test_update_blocks_are_world_size_invariant():
@@ -90,7 +98,7 @@ def test_overrides_types_and_lora_switch():
         (["sampling.shift=auto"], "sampling.shift"),
         (["sampling.resolution=60"], "sampling.resolution"),
         (["grpo.timestep_fraction=1.5"], "grpo.timestep_fraction"),
-        (["grpo.std_scope=global"], "grpo.std_scope"),
+        (["advantage.std_scope=global"], "advantage.std_scope"),
         (["model.gradient_checkpointing=maybe"], "model.gradient_checkpointing: expected bool or int"),
         (["lora.target_modules=[]"], "lora.target_modules"),
         (["rewards={}"], "rewards: empty"),
@@ -153,9 +161,10 @@ def test_rollout_micro_batch_must_be_a_dividing_multiple_of_the_update_micro_bat
 
 
 def test_a_preset_missing_a_required_key_names_it_and_its_help(tmp_path):
-    text = (ROOT / "recipes/configs/tiny/grpo_lora.yaml").read_text().replace("  eta: 0.7", "  # eta removed")
+    text = (ROOT / "recipes/configs/tiny/base.yaml").read_text().replace("  eta: 0.7", "  # eta removed")
+    (tmp_path / "base.yaml").write_text(text)
     preset = tmp_path / "p.yaml"
-    preset.write_text(text)
+    preset.write_text((ROOT / "recipes/configs/tiny/grpo_lora.yaml").read_text())  # extends: base.yaml
     with pytest.raises(ConfigError) as e:
         load_config(preset)
     assert str(e.value).startswith(f"sampling.eta: missing from {preset}; add it (SDE noise")
@@ -182,7 +191,7 @@ def test_exponent_without_dot_is_a_number():
 
 def test_duplicate_yaml_key_is_refused_with_its_line(tmp_path):
     preset = tmp_path / "dup.yaml"
-    text = (ROOT / "recipes/configs/tiny/grpo_lora.yaml").read_text()
+    text = (ROOT / "recipes/configs/tiny/base.yaml").read_text()  # refused before its extends chain is read
     preset.write_text(text.replace("  eta: 0.7", "  eta: 0.7\n  eta: 0.3"))
     line = text.splitlines().index("  eta: 0.7                        # more exploration than FLUX.1-dev's 0.3: 6 "
                                    "steps only") + 1
@@ -304,11 +313,13 @@ def test_every_preset_lists_every_setting(preset):
     """Copy-and-edit presets show everything they use: every schema key is written out (a section set to null, such
     as lora: null or sampling.window: null, stands for its keys; profile's details are needed only with profile.steps,
     and a window's placement and an objective use only their own keys)."""
-    import yaml
-
     from grpo.config import RecipeConfig
+    from grpo.objectives import OBJECTIVES
+    from grpo.schema import read_preset
 
-    raw = yaml.safe_load(preset.read_text())
+    raw = read_preset(preset)  # the extends chain merged: what the run uses
+    if preset.parent.name == "flux1_dev":
+        raw["data"]["train_prompts"] = "given on the command line"
     written = _yaml_keys(raw)
     nulls = {k for k in written if _lookup(raw, k) is None}
     unused = set()  # keys the preset cannot rely on: profiling's details while it is off, the other window placement
@@ -318,9 +329,8 @@ def test_every_preset_lists_every_setting(preset):
     if window is not None:
         other = ("high",) if window["placement"] == "progressive" else ("shift_every", "stride")
         unused |= {f"sampling.window.{k}" for k in other}
-    if raw["matching"] is not None:
-        other = ("huber_p", "anchor_coef") if raw["algorithm"] == "nft" else ("beta",)
-        unused |= {f"matching.{k}" for k in other}
+    others = set(OBJECTIVES) - {raw["algorithm"]}  # the other objectives' sections are absent
+    unused |= {k for k in _schema_keys(RecipeConfig) if k.split(".")[0] in others}
     missing = {k for k in _schema_keys(RecipeConfig) - written - unused
                if not any(k.startswith(n + ".") for n in nulls)}
     assert not missing, f"{preset.name} does not list {sorted(missing)}"
@@ -333,7 +343,6 @@ def _lookup(d: dict, dotted: str):
 
 
 def test_every_preset_asks_for_deterministic_kernels():
-    presets = sorted((ROOT / "recipes" / "configs").glob("*/*.yaml"))
-    for preset in presets:
-        assert load_config(preset).model.deterministic is True, preset
-    assert load_config(presets[0], ["model.deterministic=false"]).model.deterministic is False
+    for preset in PRESETS:
+        assert load_config(preset, _prompts(preset)).model.deterministic is True, preset
+    assert load_config(PRESETS[0], [*_prompts(PRESETS[0]), "model.deterministic=false"]).model.deterministic is False

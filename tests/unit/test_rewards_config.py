@@ -202,9 +202,9 @@ def _localize(spec: dict, root: Path) -> dict:
 @pytest.mark.skipif(not PRESETS, reason="no flux1_dev presets")
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
 def test_flux1_dev_presets_need_their_reward_files(preset, offline, tmp_path) -> None:
-    import yaml
+    from grpo.schema import read_preset
 
-    rewards = yaml.safe_load(preset.read_text())["rewards"]
+    rewards = read_preset(preset)["rewards"]  # an overlay's come from the base it extends
     with pytest.raises(ConfigError, match="HF_HUB_OFFLINE is set; get it with `hf download "):
         check_rewards({k: {**(v if isinstance(v, dict) else {"weight": v}), "cache_dir": str(tmp_path / "cache")}
                        for k, v in rewards.items()})

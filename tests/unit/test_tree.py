@@ -134,7 +134,7 @@ def test_tree_update_recomputes_the_rollout_log_prob_exactly(tiny):
     (["sampling.branch.splits=[2,0]"], "sampling.branch.splits"),
     (["sampling.branch.splits=[0,5]"], "sampling.branch.splits"),
     (["sampling.sde=cps"], "sampling.branch: needs Gaussian SDE steps"),
-    (["grpo.std_scope=batch"], "grpo.std_scope: group"),
+    (["advantage.std_scope=batch"], "advantage.std_scope: group"),
     (["batch.micro_batch_size=2"], "batch.micro_batch_size: 2; tree rollouts need whole trees"),
 ])
 def test_bad_tree_settings_name_the_setting(overrides, needle):

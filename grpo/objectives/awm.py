@@ -1,0 +1,48 @@
+"""AWM, advantage-weighted matching (scxue/advantage_weighted_matching@be51372): flow matching on the rollout's
+clean samples weighted by the advantage, plus an anchor to the lagging (EMA) policy. Rollouts use the policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from grpo.errors import ConfigError
+from grpo.matching import awm_loss, velocity_mse
+from grpo.objectives.base import Models
+from grpo.objectives.forward import ForwardProcess, ForwardProcessSettings
+from grpo.schema import setting
+
+if TYPE_CHECKING:
+    from grpo.config import RecipeConfig
+    from grpo.step import Chunk
+
+
+@dataclass(kw_only=True)
+class AWMSettings(ForwardProcessSettings):
+    huber_p: float = setting(help="exponent of the generalised-Huber weighting (AWM: 0.25)")
+    anchor_coef: float = setting(help="weight of mean (v - v_lagging)^2 (AWM's beta_EMA: 1.0)")
+
+
+class AWM(ForwardProcess):
+    name = "awm"
+    Settings = AWMSettings
+    help = "algorithm awm: advantage-weighted flow matching with an anchor to the lagging policy"
+
+    @classmethod
+    def check(cls, cfg: RecipeConfig) -> None:
+        super().check(cfg)
+        if not cfg.awm.huber_p > 0:
+            raise ConfigError(f"awm.huber_p: {cfg.awm.huber_p}; use a positive number (AWM: 0.25)")
+        if not cfg.awm.anchor_coef > 0:
+            raise ConfigError(f"awm.anchor_coef: {cfg.awm.anchor_coef}; use a positive number (AWM's beta_EMA: 1.0)")
+
+    def loss(self, models: Models, c: Chunk, j: int, adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """AWM at schedule point j: flow matching weighted by the advantage (scaled to +-1), + the anchor term."""
+        eps, m = c.noised[j][1], self.settings
+        v = self.velocity(models, models.engine, c, j)
+        loss, st = awm_loss(v, c.traj.x0, eps, self.sigma(models, c, j), adv / self.cfg.advantage.clip, m.huber_p)
+        anchor = velocity_mse(v, c.lagging[j]).mean()
+        loss, st = loss + m.anchor_coef * anchor, {**st, "anchor": anchor.detach()}
+        return self.plus_kl(loss, st, v, c, j)

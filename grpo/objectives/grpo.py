@@ -1,0 +1,120 @@
+"""GRPO (DanceGRPO, Flow-GRPO and their fast variants): the PPO-clipped ratio of the rollout's SDE transitions,
+plus the exact Gaussian KL to the initial policy.
+
+Rollout: SDE steps (eta > 0) recording every latent and log-prob (and each step's mean for GRPO-Guard). Fixed
+targets: the reference policy's SDE means at the trained transitions (kl_coef > 0). Loss at transition j: the
+log-prob recomputed by the policy on the same micro-batch (so the first pass's ratio is exactly 1), clipped
+(grpo/loss.py). Which transitions are trained is the rollout plan's (grpo/rollout_plan.py): a seeded share of them,
+an SDE window, or every edge of a tree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from grpo.errors import ConfigError
+from grpo.loss import RatioNorm, grpo_loss
+from grpo.objectives.base import Models, Objective
+from grpo.schema import setting
+from grpo.sde import kl_same_std
+
+if TYPE_CHECKING:
+    from grpo.config import RecipeConfig
+    from grpo.step import Chunk
+
+
+@dataclass(kw_only=True)
+class GRPOSettings:
+    clip_range: float = setting(help="PPO ratio clip epsilon (DanceGRPO: 1e-4)")
+    timestep_fraction: float = setting(help="share of the N-1 trainable transitions drawn per micro-batch, in (0, 1]")
+    kl_coef: float = setting(0.0, help="weight of the exact per-step Gaussian KL to the initial policy; 0 = off (no "
+                                       "reference model at all). Flow-GRPO's beta weights KL*dt: kl_coef = beta*dt")
+    ratio_norm: bool = setting(False, help="GRPO-Guard's RatioNorm and 1/dt gradient reweighting against the ratio "
+                                           "bias of low-noise steps (sampling.sde: flow only)")
+
+
+def trained_transitions(num_steps: int, timestep_fraction: float) -> int:
+    """K: transitions trained per trajectory, out of the N-1 that can change the decoded image.
+
+    The last transition x_{N-1} -> x_N is never trained: the image is decoded from x0 predicted at x_{N-1}.
+    """
+    return max(1, math.floor((num_steps - 1) * timestep_fraction))
+
+
+class GRPO(Objective):
+    name = "grpo"
+    Settings = GRPOSettings
+    help = "algorithm grpo: the clipped ratio of SDE transitions and its KL (DanceGRPO, Flow-GRPO, MixGRPO, ...)"
+    trains_transitions = True
+
+    def __init__(self, cfg: RecipeConfig) -> None:
+        super().__init__(cfg)
+        self.keep_means = self.settings.ratio_norm
+        self.ratio_clip = self.settings.clip_range
+
+    @classmethod
+    def check(cls, cfg: RecipeConfig) -> None:
+        g, s = cfg.grpo, cfg.sampling
+        if s.eta == 0:
+            raise ConfigError("sampling.eta: 0 makes rollouts deterministic and log-probs undefined; GRPO trains "
+                              "with eta > 0")
+        if not 0 < g.timestep_fraction <= 1:
+            raise ConfigError(f"grpo.timestep_fraction: {g.timestep_fraction} must be in (0, 1]")
+        if not 0 < g.clip_range < 1:  # the ratio is clipped to [1 - clip_range, 1 + clip_range]: its lower end > 0
+            raise ConfigError(f"grpo.clip_range: {g.clip_range} must be in (0, 1); DanceGRPO uses 1e-4")
+        if g.kl_coef < 0:
+            raise ConfigError(f"grpo.kl_coef: {g.kl_coef} is negative; use 0 (no reference) or a positive weight")
+        if s.window is not None and g.timestep_fraction != 1.0:
+            raise ConfigError(f"grpo.timestep_fraction: {g.timestep_fraction} with sampling.window: every window step "
+                              "is trained; set 1.0")
+        if s.branch is not None and g.timestep_fraction != 1.0:
+            raise ConfigError(f"grpo.timestep_fraction: {g.timestep_fraction} with sampling.branch: every edge of a "
+                              "tree is trained; set 1.0")
+        if g.ratio_norm and s.sde != "flow":
+            raise ConfigError(f"grpo.ratio_norm: true needs sampling.sde: flow (GRPO-Guard normalises Flow-SDE "
+                              f"log-ratios), got {s.sde}")
+        if g.ratio_norm and s.branch is not None:
+            raise ConfigError("sampling.branch: needs Gaussian SDE steps without grpo.ratio_norm; set ratio_norm: "
+                              "false or branch: null")
+
+    def points(self, num_steps: int) -> int:
+        return num_steps - 1
+
+    def trained_per_trajectory(self, num_steps: int) -> int:
+        return trained_transitions(num_steps, self.settings.timestep_fraction)
+
+    @torch.no_grad()
+    def fixed_targets(self, models: Models, chunks: list[Chunk], step: int) -> None:
+        """The reference policy's SDE means of the trained transitions (kl_coef > 0)."""
+        if self.kl_coef == 0:
+            return
+        with models.inference(reference=True) as model:
+            for c in chunks:
+                c.reference = {j: models.sampler.transition(model, c.cond, c.traj.latents, j).mean for j in c.trained}
+
+    def loss(self, models: Models, c: Chunk, j: int, adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The clipped ratio of transition j's log-prob under the policy and at rollout, + the Gaussian KL."""
+        g, sampler = self.settings, models.sampler
+        out = sampler.transition(models.engine, c.cond, c.traj.latents, j)
+        kl = kl_same_std(out.mean, c.reference[j], out.std) if g.kl_coef > 0 else None
+        tree = sampler.tree
+        if tree is None:
+            return grpo_loss(out.log_prob, c.traj.log_probs[:, j], adv, clip_range=g.clip_range, kl=kl,
+                             kl_coef=g.kl_coef, ratio_norm=self._ratio_norm(sampler, out, c, j))
+        # One row per edge into depth j + 1, with that node's advantage; summed over the edges and divided by the
+        # samples, so every edge of the tree weighs the same (the source's loss / (GA * edges per tree)).
+        edges = tree.heads(len(c.ids), j + 1).to(adv.device)
+        loss, st = grpo_loss(out.log_prob, c.traj.log_probs[edges, j], adv[edges, j + 1], clip_range=g.clip_range,
+                             kl=kl, kl_coef=g.kl_coef)
+        return loss * (len(edges) / len(c.ids)), st
+
+    def _ratio_norm(self, sampler, out, c: Chunk, j: int) -> RatioNorm | None:
+        """GRPO-Guard (grpo.ratio_norm): the rollout's and the policy's SDE means of transition j, and its scales."""
+        if not self.settings.ratio_norm:
+            return None
+        sqrt_dt = float(sampler.sigmas[j] - sampler.sigmas[j + 1]) ** 0.5
+        return RatioNorm(out.mean, c.traj.means[:, j], out.std / sqrt_dt, sqrt_dt)

@@ -1,0 +1,96 @@
+"""The rollout plan (grpo/rollout_plan.py): one cost model for the recipe, the planner and time_to_reward, checked
+against the transformer calls the sampler really makes; and the objectives as parts (grpo/objectives/)."""
+
+import ast
+
+import pytest
+import torch
+
+from grpo.config import load_config
+from grpo.flux import load_parts, make_conditioning, pack
+from grpo.objectives import OBJECTIVES
+from grpo.rollout import FluxSampler
+from grpo.rollout_plan import RolloutPlan
+from tests import ROOT, TINY
+
+TINY_PRESETS = ROOT / "recipes" / "configs" / "tiny"
+CASES = {  # preset, overrides
+    "dancegrpo": ("grpo_lora.yaml", []),
+    "mixgrpo": ("mixgrpo_lora.yaml", []),
+    "flash": ("mixgrpo_flash_lora.yaml", []),
+    "flash_frozen": ("mixgrpo_flash_frozen_lora.yaml", []),
+    "flowgrpo_fast": ("flowgrpo_fast_lora.yaml", []),
+    "nft": ("nft_lora.yaml", []),
+    "nft_dpm": ("nft_lora.yaml", ["sampling.tail=dpm2", "sampling.compress_ratio=0.5"]),
+    "awm": ("awm_lora.yaml", []),
+}
+
+
+class CountingModel(torch.nn.Module):
+    """Wraps the transformer and counts its calls."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.calls, self.config = inner, 0, inner.config
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def parts():
+    if not (TINY / "model_index.json").exists():
+        pytest.skip("tiny model not built")
+    return load_parts(str(TINY))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_plans_rollout_cost_is_the_samplers_calls(parts, name):
+    preset, overrides = CASES[name]
+    cfg = load_config(TINY_PRESETS / preset, overrides)
+    plan = RolloutPlan.of(cfg)
+    sampler = FluxSampler.from_parts(parts, parts.vae, cfg.sampling, cfg.seed, torch.device("cpu"), torch.float32)
+    size = sampler.latent_size
+    cond = make_conditioning(torch.zeros(1, 32, parts.transformer.config.joint_attention_dim),
+                             torch.zeros(1, parts.transformer.config.pooled_projection_dim), size, 3.5, True,
+                             torch.device("cpu"), torch.float32)
+    model = CountingModel(parts.transformer)
+    for step in (0, 7):
+        window = plan.window(step)
+        model.calls = 0
+        gens = [torch.Generator().manual_seed(1)]
+        traj = sampler.sample(model, cond, pack(torch.randn(1, sampler.latent_channels, size, size)), gens, window)
+        assert model.calls == traj.nfe == plan.rollout_calls(window), name
+        trained = plan.trained(step, window, first_id=0)
+        assert len(trained) == plan.trained_per_trajectory
+        cost = traj.nfe + len(trained) * plan.objective.forwards_per_point()
+        assert plan.forwards_per_image(step) == cost
+
+
+def test_the_trained_points_are_the_objectives_draw():
+    """grpo draws K of the N-1 transitions, nft/awm K of the N schedule points, each a pure function of
+    (seed, step, first sample) and increasing."""
+    grpo = RolloutPlan.of(load_config(TINY_PRESETS / "grpo_lora.yaml", ["grpo.timestep_fraction=0.6"]))
+    nft = RolloutPlan.of(load_config(TINY_PRESETS / "nft_lora.yaml"))
+    for plan, points, k in ((grpo, range(5), 3), (nft, range(6), 2)):
+        drawn = [plan.trained(step, None, first) for step in range(4) for first in (0, 8)]
+        assert all(len(d) == k and d == sorted(d) and set(d) <= set(points) for d in drawn)
+        assert drawn == [plan.trained(step, None, first) for step in range(4) for first in (0, 8)]
+        assert len({tuple(d) for d in drawn}) > 1
+
+
+def test_the_recipe_does_not_branch_on_the_objective():
+    """The recipe holds one objective and never asks which one it is: no `algorithm`, no objective's section and
+    no objective's name appear in its code (docstrings aside)."""
+    source = (ROOT / "recipes" / "flux_grpo.py").read_text()
+    tree = ast.parse(source)
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef)) and n.body
+                  and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    names = set(OBJECTIVES) | {"algorithm", "matching"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            assert node.attr not in names, f"line {node.lineno}: .{node.attr}"
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            assert node.value not in names, f"line {node.lineno}: {node.value!r}"
