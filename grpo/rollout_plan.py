@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo import advantages as adv_fns
-from grpo.advantages import group_advantages
+from grpo.advantages import group_advantages, per_reward_advantages
 from grpo.config import RecipeConfig
 from grpo.data import trained_steps
 from grpo.objectives import Objective, objective_of
@@ -57,9 +56,9 @@ class RolloutPlan:
             return list(window)
         if self.tree is not None:
             return self.tree.trained()
-        points = self.objective.draw_range(self.cfg.sampling.num_steps)
-        drawn = trained_steps(len(points), self.trained_per_trajectory, self.cfg.seed, step, first_id)
-        return [points[i] for i in drawn]
+        points = self.objective.points(self.cfg.sampling.num_steps)
+        return trained_steps(points, self.trained_per_trajectory, self.cfg.seed, step, first_id,
+                             draw=self.objective.point_draw)
 
     # ------------------------------------------------------------------------------------------------- cost
     def rollout_calls(self, window: range | None) -> int:
@@ -87,11 +86,11 @@ class RolloutPlan:
         a = self.cfg.advantage
         groups = torch.arange(len(components), device=components.device) // self.cfg.sampling.group_size
         if a.per_reward:  # MixGRPO: the weighted sum of each reward's in-group z-score is the advantage
-            adv, stats = adv_fns.per_reward_advantages(components, weights, groups, eps=a.eps, clip=a.clip)
+            adv, stats = per_reward_advantages(components, weights, groups, eps=a.eps, clip=a.clip)
             return adv, {k: float(v) for k, v in stats.items()}
         rewards = mix(components, weights)
         if self.tree is not None:
-            adv, stats = depth_advantages(rewards, self.tree, clip=a.clip)
+            adv, stats = depth_advantages(rewards, self.tree, clip=a.clip, eps=a.eps)
         else:
             adv, stats = group_advantages(rewards, groups, std_scope=a.std_scope, clip=a.clip, eps=a.eps)
         return adv, {k: float(v) for k, v in stats.items()}

@@ -71,11 +71,12 @@ class Tree:
         return (rollout + per_trained * sum(self.nodes(j) for j in trained)) / self.leaves
 
 
-def depth_advantages(rewards: Tensor, tree: Tree, clip: float | None) -> tuple[Tensor, dict[str, Tensor]]:
+def depth_advantages(rewards: Tensor, tree: Tree, clip: float | None,
+                     eps: float = 1e-8) -> tuple[Tensor, dict[str, Tensor]]:
     """BranchGRPO's advantages: per tree and per depth, over the nodes at that depth.
 
     A node's reward is the mean of the rewards of the samples under it (the source's default fusion; its softmax
-    path weighting is not offered). At each depth d: A = (R - mean_d) / (std_d + 1e-8), std unbiased, over the
+    path weighting is not offered). At each depth d: A = (R - mean_d) / (std_d + eps), std unbiased, over the
     tree's nodes at d; A = 0 where a depth has one node or std_d < 1e-6. The edge into a node at d trains with the
     node's A, clamped to [-clip, clip] (the source's adv_clip_max, applied in its loss).
 
@@ -83,6 +84,7 @@ def depth_advantages(rewards: Tensor, tree: Tree, clip: float | None) -> tuple[T
         rewards: [N] rewards in sample order; samples t*G .. t*G + G - 1 are tree t's leaves.
         tree: its shape.
         clip: the clamp, or None.
+        eps: added to std_d (BranchGRPO: 1e-8, train_branchgrpo_flux.py:680; the presets' advantage.eps).
 
     Returns:
         advantages: float32 [N, num_steps + 1]; column d holds each sample's ancestor's A at depth d.
@@ -98,7 +100,7 @@ def depth_advantages(rewards: Tensor, tree: Tree, clip: float | None) -> tuple[T
             continue
         node_r = r.reshape(r.shape[0], n, span).mean(dim=2)
         std = node_r.std(dim=1, keepdim=True)
-        a = (node_r - node_r.mean(dim=1, keepdim=True)) / (std + 1e-8)
+        a = (node_r - node_r.mean(dim=1, keepdim=True)) / (std + eps)
         a = torch.where(std < 1e-6, torch.zeros_like(a), a)
         columns.append(a.repeat_interleave(span, dim=1))
     adv = torch.stack(columns, dim=-1).reshape(-1, tree.num_steps + 1)

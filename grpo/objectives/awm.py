@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from grpo.data import POINT_DRAWS
 from grpo.errors import ConfigError
 from grpo.matching import awm_loss, velocity_mse
 from grpo.objectives.base import Models
@@ -23,6 +24,11 @@ if TYPE_CHECKING:
 class AWMSettings(ForwardProcessSettings):
     huber_p: float = setting(help="exponent of the generalised-Huber weighting (AWM: 0.25)")
     anchor_coef: float = setting(help="weight of mean (v - v_lagging)^2 (AWM's beta_EMA: 1.0)")
+    timestep_draw: str = setting(
+        choices=POINT_DRAWS,
+        help="how the noise levels are drawn per micro-batch: discrete_wo_init = AWM's (one from each of k equal "
+             "strata of points 1 .. int(0.9 N) - 1: never sigma 1 nor the last 10%); discrete = the same from point "
+             "0 (AWM's PickScore configs); uniform = k of all N points, sigma 1 included (DiffusionNFT's)")
 
 
 class AWM(ForwardProcess):
@@ -37,6 +43,14 @@ class AWM(ForwardProcess):
             raise ConfigError(f"awm.huber_p: {cfg.awm.huber_p}; use a positive number (AWM: 0.25)")
         if not cfg.awm.anchor_coef > 0:
             raise ConfigError(f"awm.anchor_coef: {cfg.awm.anchor_coef}; use a positive number (AWM's beta_EMA: 1.0)")
+
+    def __init__(self, cfg: RecipeConfig) -> None:
+        super().__init__(cfg)
+        self.point_draw = self.settings.timestep_draw
+
+    @classmethod
+    def point_draw_of(cls, settings) -> str:
+        return settings.timestep_draw
 
     def loss(self, models: Models, c: Chunk, j: int, adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """AWM at schedule point j: flow matching weighted by the advantage (scaled to +-1), + the anchor term."""

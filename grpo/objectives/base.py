@@ -78,9 +78,8 @@ class Objective:
         """K drawn from `points` when no window or tree chooses them."""
         raise NotImplementedError
 
-    def draw_range(self, num_steps: int) -> range:
-        """The points a random draw may pick (all of them unless the objective's source excludes some)."""
-        return range(self.points(num_steps))
+    # How a random share picks its points (grpo.data.POINT_DRAWS): "uniform" = k distinct of all of them
+    point_draw: str = "uniform"
 
     def forwards_per_point(self) -> int:
         """Transformer forward-equivalents per trained point and image: a forward and a backward (3), +1 for each

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from grpo.data import matching_noise
+from grpo.data import drawable_points, matching_noise
 from grpo.errors import ConfigError
 from grpo.matching import decay, forward_noise, velocity_mse
 from grpo.objectives.base import Models, Objective, PlanTerms
@@ -47,9 +47,10 @@ class ForwardProcess(Objective):
         if s.eta == 0 and s.init_same_noise:
             raise ConfigError("sampling.init_same_noise: true with eta 0 makes each group one image repeated (no "
                               "advantage); set false, so each image has its own starting noise")
-        draw = len(cls.draw_range_of(m, s.num_steps))
-        if not 1 <= m.timesteps <= draw:
-            raise ConfigError(f"{key}.timesteps: {m.timesteps}; use 1 .. {draw}, the schedule points it draws from")
+        points = drawable_points(s.num_steps, cls.point_draw_of(m))
+        if not 1 <= m.timesteps <= len(points):
+            raise ConfigError(f"{key}.timesteps: {m.timesteps}; use 1 .. {len(points)}, the schedule points "
+                              f"{points.start}..{points.stop - 1} of {s.num_steps} it draws from")
         if not 0 <= m.lag_max < 1 or m.lag_rate < 0 or m.lag_start < 0:
             raise ConfigError(f"{key}.lag_*: rate {m.lag_rate} >= 0, max {m.lag_max} in [0, 1), start {m.lag_start} "
                               ">= 0 (DiffusionNFT: 0.001, 0.5, 0)")
@@ -57,14 +58,11 @@ class ForwardProcess(Objective):
             raise ConfigError(f"{key}.kl_coef: {m.kl_coef} is negative; use 0 (no reference) or e.g. 1e-4")
 
     @classmethod
-    def draw_range_of(cls, settings, num_steps: int) -> range:
-        return range(num_steps)
+    def point_draw_of(cls, settings) -> str:
+        return "uniform"
 
     def points(self, num_steps: int) -> int:
         return num_steps
-
-    def draw_range(self, num_steps: int) -> range:
-        return self.draw_range_of(self.settings, num_steps)
 
     def trained_per_trajectory(self, num_steps: int) -> int:
         return self.settings.timesteps

@@ -29,11 +29,13 @@ def mix(
 
     Call it on the components all-gathered over ranks: a group (the G images of one prompt) may span ranks.
 
-    With normalize_per_group each column becomes (x - group mean) / (group std + eps) before weighting (MixGRPO's
-    "advantage_aggr"; TRL's normalize_then_sum), using the same statistics as grpo.advantages.group_advantages
-    (unbiased std, a group of equal scores gives exactly 0). This keeps a reward with a large spread (a JPEG size in
-    kB) from drowning one with a small spread (a cosine of ~0.3) whatever its weight; without it the raw scales add
-    up (Flow-GRPO's weighted "avg", TRL's sum_then_normalize).
+    With normalize_per_group each column becomes (x - group mean) / (group std + eps) before weighting (TRL's
+    normalize_then_sum), using the same statistics as grpo.advantages.group_advantages (unbiased std, a group of
+    equal scores gives exactly 0). This keeps a reward with a large spread (a JPEG size in kB) from drowning one with
+    a small spread (a cosine of ~0.3) whatever its weight; without it the raw scales add up (Flow-GRPO's weighted
+    "avg", TRL's sum_then_normalize). It is not MixGRPO's "advantage_aggr" when the sum is then normalised again by
+    group_advantages: MixGRPO uses the weighted sum of z-scores as the advantage itself
+    (grpo.advantages.per_reward_advantages).
 
     Args:
         components: [N, R] raw scores, one column per reward.

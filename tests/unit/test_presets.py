@@ -32,12 +32,15 @@ def _overrides(preset: str) -> list[str]:
 
 def renamed(old: dict, preset: str) -> dict:
     """Settings in the schema before issue 29 -> the same settings now (/tmp/plan/schema.md), with its deliberate
-    changes: advantage.eps is new (DanceGRPO's 1e-8 in the FLUX.1-dev grpo presets, 1e-4 elsewhere), and
+    changes: advantage.eps is new (1e-8 where the source uses it, 1e-4 elsewhere), awm.timestep_draw is new, and
     normalize_rewards_per_group is advantage.per_reward."""
     new = {k: v for k, v in old.items() if k not in ("grpo", "matching", "normalize_rewards_per_group")}
     grpo, matching = old["grpo"], old["matching"]
-    dance = preset in ("recipes/configs/flux1_dev/grpo_lora.yaml", "recipes/configs/flux1_dev/grpo_full.yaml")
-    new["advantage"] = {"clip": grpo["adv_clip"], "std_scope": grpo["std_scope"], "eps": 1.0e-8 if dance else 1.0e-4,
+    # 1e-8: DanceGRPO's, MixGRPO's and BranchGRPO's eps (a tree used 1e-8 before the setting existed)
+    small_eps = preset in (*(f"recipes/configs/flux1_dev/{n}.yaml" for n in ("grpo_lora", "grpo_full", "mixgrpo_lora",
+                                                                                "branchgrpo_lora")),
+                           "recipes/configs/tiny/branchgrpo_lora.yaml")
+    new["advantage"] = {"clip": grpo["adv_clip"], "std_scope": grpo["std_scope"], "eps": 1.0e-8 if small_eps else 1.0e-4,
                         "per_reward": old["normalize_rewards_per_group"]}
     forward = ("timesteps", "lag_rate", "lag_max", "lag_start", "kl_coef")
     own = {"grpo": (), "nft": ("beta",), "awm": ("huber_p", "anchor_coef")}[old["algorithm"]]
@@ -46,6 +49,8 @@ def renamed(old: dict, preset: str) -> dict:
         new["grpo"] = {k: grpo[k] for k in ("clip_range", "timestep_fraction", "kl_coef", "ratio_norm")}
     else:
         new[old["algorithm"]] = {k: matching[k] for k in (*forward, *own)}
+    if old["algorithm"] == "awm":  # finding 2: AWM's own draw of the noise levels (it was uniform)
+        new["awm"]["timestep_draw"] = "discrete_wo_init"
     return new
 
 

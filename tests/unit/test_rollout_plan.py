@@ -94,3 +94,31 @@ def test_the_recipe_does_not_branch_on_the_objective():
             assert node.attr not in names, f"line {node.lineno}: .{node.attr}"
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
             assert node.value not in names, f"line {node.lineno}: {node.value!r}"
+
+
+def test_awm_draws_its_noise_levels_as_awm():
+    """awm.timestep_draw discrete_wo_init (AWM's): one point from each of 2 strata of 1..4 of the 6, never sigma 1
+    (point 0) nor the last; uniform (DiffusionNFT's, and AWM's here before) may draw both."""
+    awm = RolloutPlan.of(load_config(TINY_PRESETS / "awm_lora.yaml"))
+    drawn = [awm.trained(step, None, first) for step in range(20) for first in (0, 8, 16)]
+    assert all(d[0] in (1, 2) and d[1] in (3, 4) for d in drawn) and len({tuple(d) for d in drawn}) > 1
+    uniform = RolloutPlan.of(load_config(TINY_PRESETS / "awm_lora.yaml", ["awm.timestep_draw=uniform"]))
+    assert {0, 5} <= {j for step in range(20) for j in uniform.trained(step, None, 0)}
+
+
+def test_advantages_per_reward_or_of_the_mixed_reward():
+    """advantage.per_reward: MixGRPO's sum of per-reward z-scores is the advantage; otherwise the weighted sum of
+    the raw rewards is normalised in its group."""
+    from grpo.advantages import group_advantages, per_reward_advantages
+
+    torch.manual_seed(0)
+    scores, weights = torch.rand(16, 2), torch.tensor([1.0, 0.5])
+    groups = torch.arange(16) // 4
+    plain = RolloutPlan.of(load_config(TINY_PRESETS / "grpo_lora.yaml"))
+    adv, _ = plain.advantages(scores, weights)
+    expected, _ = group_advantages((scores * weights).sum(1), groups, std_scope="group", clip=5.0, eps=1e-4)
+    assert torch.equal(adv, expected)
+    mixed = RolloutPlan.of(load_config(TINY_PRESETS / "grpo_lora.yaml", ["advantage.per_reward=true"]))
+    adv, _ = mixed.advantages(scores, weights)
+    assert torch.equal(adv, per_reward_advantages(scores, weights, groups, eps=1e-4, clip=5.0)[0])
+    assert not torch.allclose(adv, expected)
