@@ -49,7 +49,18 @@ def torchrun(config: str, overrides: list[str], *, nproc: int = 2, nnodes: int =
              port: int | None = None, script: list[str] | None = None) -> list[str]:
     """The torchrun command line of the recipe (or of `script`, e.g. a driver) on CONFIG with `overrides`."""
     return torchrun_cmd(nproc, [*(script or [str(ROOT / "recipes" / "flux_grpo.py")]), "--config", str(ROOT / config),
-                                *overrides], nnodes=nnodes, node_rank=node_rank, port=port)
+                                *for_objective(config, overrides)], nnodes=nnodes, node_rank=node_rank, port=port)
+
+
+def for_objective(config: str, overrides: list[str]) -> list[str]:
+    """`overrides` without those of another objective's section: SMALL sets grpo.timestep_fraction, which an nft or
+    awm preset has no section for (the recipe would refuse it)."""
+    from grpo.objectives import OBJECTIVES
+    from grpo.schema import read_preset
+
+    algorithm = read_preset(ROOT / config).get("algorithm")
+    others = {name for name in OBJECTIVES if name != algorithm}
+    return [o for o in overrides if o.split(".", 1)[0] not in others]
 
 
 def run_recipe(config: str, overrides: list[str], nproc: int, timeout: int = 600, extra_env: dict | None = None,
