@@ -66,7 +66,8 @@ LORA_SWITCH_DEFAULTS = {"rank": 8, "alpha": 16.0, "dropout": 0.0, "init": "gauss
 
 @dataclass(kw_only=True)
 class DataConfig:
-    train_prompts: str = setting(help="text file, one training prompt per line", path=True)
+    train_prompts: str = setting(help="your prompt file, a text file with one training prompt per line (the FLUX.1-dev "
+                                      "presets name none: add data.train_prompts=PATH to the command)", path=True)
     eval_prompts: str | None = setting(resume=FREE, path=True, help="held-out prompt file; null = no eval")
     cache_dir: str = setting(resume=FREE, path=True,
                              help="precomputed prompt embeddings (safetensors), keyed by model + prompts")
@@ -276,9 +277,6 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if key.startswith("lora.") and raw.get("lora", "absent") is None:
             raw["lora"] = {**LORA_SWITCH_DEFAULTS}  # lora.rank=16 on a full preset switches LoRA on
         set_dotted(raw, key, value)
-    if isinstance(raw.get("data"), dict) and "train_prompts" not in raw["data"]:  # the FLUX.1-dev presets name none
-        raise ConfigError(f"data.train_prompts: missing from {path or 'the config'}; set it to your prompt file (a "
-                          "text file, one training prompt per line): add data.train_prompts=PATH to the command")
     cfg = build(RecipeConfig, raw, source=str(path) if path is not None else None)
     validate(cfg)
     return cfg
