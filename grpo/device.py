@@ -28,6 +28,7 @@ import os
 import random
 import socket
 import sys
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -248,6 +249,18 @@ def _fill_single_process_env() -> None:
     os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
+# DeepSpeed 0.19 still calls the collectives torch 2.14 renamed, and torch warns on its calls again and again (84
+# lines in the default run). Silenced by message and by the module torch attributes them to (the code here calls
+# neither), so every other deprecation still shows.
+_DEEPSPEED_DEPRECATIONS = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+
+
+def quiet_deepspeed_deprecations() -> None:
+    """Hides torch.distributed's FutureWarnings for the collectives DeepSpeed calls under their old names."""
+    warnings.filterwarnings("ignore", message=_DEEPSPEED_DEPRECATIONS, category=FutureWarning,
+                            module=r"torch\.distributed\.c10d_logger")
+
+
 def init_distributed(timeout_s: float = 1800) -> DistInfo:
     """Initialises torch.distributed through DeepSpeed with the accelerator's backend.
 
@@ -262,6 +275,7 @@ def init_distributed(timeout_s: float = 1800) -> DistInfo:
         The rank, world size, local rank, device and backend of this process.
     """
     _fill_single_process_env()
+    quiet_deepspeed_deprecations()
     acc = accelerator()
     local_rank = int(os.environ["LOCAL_RANK"])
     device = device_for_local_rank(local_rank)
