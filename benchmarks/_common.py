@@ -51,11 +51,11 @@ def transformer_config(preset: str) -> dict:
 
 
 def build_transformer(config: dict, dtype: torch.dtype = torch.float32, seed: int = 0):
-    """A FluxTransformer2DModel with random weights (diffusers' own init, seeded)."""
-    from diffusers import FluxTransformer2DModel
+    """A FLUX.1 transformer with random weights (diffusers' own init, seeded)."""
+    from grpo.models.flux1 import FLUX1
 
     torch.manual_seed(seed)
-    model = FluxTransformer2DModel.from_config(config).eval()
+    model = FLUX1.transformer_class().from_config(config).eval()
     for p in model.parameters():  # not .to(dtype): diffusers warns on every cast of a model without fp32 modules
         p.data = p.data.to(dtype)
     return model

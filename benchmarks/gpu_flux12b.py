@@ -41,14 +41,14 @@ SHIPPED = ROOT / "tools" / "flux_configs.json"
 
 def build_model(tcfg: dict, dtype: torch.dtype, device: torch.device):
     """Random weights (diffusers' own init) created on `device` directly in `dtype`: no host copy, no fp32 copy."""
-    from diffusers import FluxTransformer2DModel
+    from grpo.models.flux1 import FLUX1
 
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = FluxTransformer2DModel.from_config(tcfg)
+            model = FLUX1.transformer_class().from_config(tcfg)
     finally:
         torch.set_default_dtype(default)
     return model.eval()
@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     from grpo import engine as eng
     from grpo.layout import derive_layout
     from grpo.inputs import load_ds_config
-    from grpo.flux import compile_seconds, make_conditioning, pack
+    from grpo.models.blocks import compile_seconds
+    from grpo.models.flux1 import FLUX1
     from grpo.loss import grpo_loss
     from grpo.rollout import SDEParams, sample, transition
     from grpo.sde import shifted_sigmas
@@ -115,10 +116,11 @@ def main(argv: list[str] | None = None) -> int:
 
     g = torch.Generator().manual_seed(0)
     latent = 2 * (args.resolution // (vsf * 2))
-    init = pack(torch.randn(args.batch, tcfg["in_channels"] // 4, latent, latent, generator=g)).to(device)
-    cond = make_conditioning(torch.randn(args.batch, args.text_tokens, tcfg["joint_attention_dim"], generator=g),
-                             torch.randn(args.batch, tcfg["pooled_projection_dim"], generator=g), latent, 3.5,
-                             tcfg.get("guidance_embeds", False), device, dtype)
+    init = FLUX1.pack(torch.randn(args.batch, tcfg["in_channels"] // 4, latent, latent, generator=g)).to(device)
+    embeds = {"prompt_embeds": torch.randn(args.batch, args.text_tokens, tcfg["joint_attention_dim"], generator=g),
+              "pooled": torch.randn(args.batch, tcfg["pooled_projection_dim"], generator=g)}
+    cond = FLUX1.conditioning(embeds, latent, 3.5, tcfg.get("guidance_embeds", False), device, dtype)
+    v = FLUX1.velocity_of
     sigmas = shifted_sigmas(args.steps, 3.0)
     sde = SDEParams(0.3, "dance")
     trained = list(range(layout.trained_transitions))
@@ -137,14 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         sync(device)
         t = time.perf_counter()
         with torch.no_grad(), eng.inference_module(engine, cfg.deepspeed.gather_for_rollout) as model:
-            traj = sample(model, cond, init, sigmas, sde,
+            traj = sample(v(model), cond, init, sigmas, sde,
                           [torch.Generator().manual_seed(i) for i in range(args.batch)])
         sync(device)
         out["rollout_s"], out["rollout_peak"] = time.perf_counter() - t, peak()
         reset_peak()
         t = time.perf_counter()
         for j in trained:
-            step = transition(engine, cond, traj.latents, sigmas, j, sde)
+            step = transition(v(engine), cond, traj.latents, sigmas, j, sde)
             loss, _ = grpo_loss(step.log_prob, traj.log_probs[:, j], advantages, clip_range=1e-4)
             engine.backward(loss)
             engine.step()
@@ -161,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # FLOPs: one rollout forward, one update transition (with its recompute), counted once each.
     with torch.no_grad(), eng.inference_module(engine, cfg.deepspeed.gather_for_rollout) as model:
-        fwd_flops, _ = count_flops(lambda: transition(model, cond, traj.latents, sigmas, 0, sde))
+        fwd_flops, _ = count_flops(lambda: transition(v(model), cond, traj.latents, sigmas, 0, sde))
     def one_transition():
-        s = transition(engine, cond, traj.latents, sigmas, 0, sde)
+        s = transition(v(engine), cond, traj.latents, sigmas, 0, sde)
         engine.backward(grpo_loss(s.log_prob, traj.log_probs[:, 0], advantages, clip_range=1e-4)[0])
     upd_flops, _ = count_flops(one_transition)
     engine.optimizer.zero_grad()

@@ -40,35 +40,37 @@ from tools.launch import run_torchrun  # noqa: E402
 def _inputs(tcfg: dict, batch: int, resolution: int, text_tokens: int, device: torch.device, seed: int = 0):
     """Packed initial noise [B, S, C], prompt embeddings [B, L, D] and pooled [B, Dp] (random: the transformer
     and the samplers do not care what the text was)."""
-    from grpo.flux import pack
+    from grpo.models.flux1 import FLUX1
 
     g = torch.Generator().manual_seed(seed)
     latent = 2 * (resolution // (4 * 2))  # tiny VAE: scale factor 4
     noise = torch.randn(batch, tcfg["in_channels"] // 4, latent, latent, generator=g)
     embeds = torch.randn(batch, text_tokens, tcfg["joint_attention_dim"], generator=g)
     pooled = torch.randn(batch, tcfg["pooled_projection_dim"], generator=g)
-    return pack(noise).to(device), embeds.to(device), pooled.to(device), latent
+    return FLUX1.pack(noise).to(device), embeds.to(device), pooled.to(device), latent
 
 
 def _sigmas(pipe, steps: int, latent: int) -> torch.Tensor:
-    from grpo.sde import dynamic_sigmas
+    from grpo.models.flux1 import FLUX1
 
-    return dynamic_sigmas(steps, (latent // 2) ** 2, dict(pipe.scheduler.config))
+    return FLUX1.dynamic_sigmas(steps, (latent // 2) ** 2, dict(pipe.scheduler.config))
 
 
 def samplers(pipe, args, tcfg: dict, device: torch.device):
     """(ours, diffusers): rollouts of `batch` images with pipe.transformer, returning images (or x0 latents)."""
-    from grpo.flux import decode, make_conditioning
+    from grpo.models.flux1 import FLUX1
     from grpo.rollout import SDEParams, sample
 
     vsf = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
 
     def ours(batch: int, with_decode: bool):
         init, embeds, pooled, latent = _inputs(tcfg, batch, args.resolution, args.text_tokens, device)
-        cond = make_conditioning(embeds, pooled, latent, 3.5, tcfg["guidance_embeds"], device, torch.float32)
+        cond = FLUX1.conditioning({"prompt_embeds": embeds, "pooled": pooled}, latent, 3.5, tcfg["guidance_embeds"],
+                                  device, torch.float32)
         gens = [torch.Generator().manual_seed(i) for i in range(batch)]
-        traj = sample(pipe.transformer, cond, init, _sigmas(pipe, args.steps, latent), SDEParams(0.7, "dance"), gens)
-        return decode(pipe.vae, traj.x0, args.resolution, vsf) if with_decode else traj.x0
+        traj = sample(FLUX1.velocity_of(pipe.transformer), cond, init, _sigmas(pipe, args.steps, latent),
+                      SDEParams(0.7, "dance"), gens)
+        return FLUX1.decode(pipe.vae, traj.x0, args.resolution, vsf) if with_decode else traj.x0
 
     def diffusers(batch: int, with_decode: bool):
         init, embeds, pooled, _ = _inputs(tcfg, batch, args.resolution, args.text_tokens, device)
@@ -82,13 +84,13 @@ def samplers(pipe, args, tcfg: dict, device: torch.device):
 def pipeline(tcfg: dict, device: torch.device, compiled: bool = False):
     """FluxPipeline around a seeded random transformer of the preset (the same weights on every call), its blocks
     compiled (model.compile's regional compilation) or not."""
-    from diffusers import FluxPipeline
 
-    from grpo.flux import compile_blocks
+    from grpo.models.blocks import compile_blocks
+    from grpo.models.flux1 import FLUX1
 
     transformer = build_transformer(tcfg).to(device)
     compile_blocks(transformer, compiled)
-    pipe = FluxPipeline.from_pretrained(str(TINY), transformer=transformer, torch_dtype=torch.float32).to(device)
+    pipe = FLUX1.pipeline_class().from_pretrained(str(TINY), transformer=transformer, dtype=torch.float32).to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -154,7 +156,7 @@ def single_process(args, device: torch.device) -> dict:
 def compiled(args, device: torch.device) -> dict:
     """model.compile's rollout against the eager one (same weights, same noise: the samples must agree) and against
     FluxPipeline around a transformer compiled the same way. Interleaved rounds, medians; compile time apart."""
-    from grpo.flux import compile_seconds
+    from grpo.models.blocks import compile_seconds
 
     tcfg = transformer_config(args.preset)
     ours_eager, _ = samplers(pipeline(tcfg, device), args, tcfg, device)
@@ -196,7 +198,7 @@ def worker_zero3(args, out: Path) -> None:
     from grpo.config import load_config
     from grpo.layout import derive_layout
     from grpo.inputs import load_ds_config
-    from grpo.flux import make_conditioning
+    from grpo.models.flux1 import FLUX1
     from grpo.rollout import SDEParams, sample
     from grpo.sde import shifted_sigmas
 
@@ -209,14 +211,15 @@ def worker_zero3(args, out: Path) -> None:
     engine, _ = load_recipe().build_policy(build_transformer(tcfg), cfg, ds)
     init, embeds, pooled, latent = _inputs(tcfg, args.batch, args.resolution, args.text_tokens, info.device,
                                            seed=info.rank)
-    cond = make_conditioning(embeds, pooled, latent, 3.5, tcfg["guidance_embeds"], info.device, torch.float32)
+    cond = FLUX1.conditioning({"prompt_embeds": embeds, "pooled": pooled}, latent, 3.5, tcfg["guidance_embeds"],
+                              info.device, torch.float32)
     sigmas = shifted_sigmas(args.steps, 3.0)
 
     def rollout(gather: bool) -> float:
         dist.barrier()
         t = time.perf_counter()
         with torch.no_grad(), eng.inference_module(engine, gather) as model:
-            sample(model, cond, init, sigmas, SDEParams(0.7, "dance"),
+            sample(FLUX1.velocity_of(model), cond, init, sigmas, SDEParams(0.7, "dance"),
                    [torch.Generator().manual_seed(i) for i in range(args.batch)])
         dist.barrier()
         return time.perf_counter() - t

@@ -54,15 +54,15 @@ class Iteration:
 
     def __init__(self, tcfg: dict, batch: int, steps: int, resolution: int, text_tokens: int, device: torch.device):
         from grpo.objectives.grpo import trained_transitions
-        from grpo.flux import make_conditioning, pack
+        from grpo.models.flux1 import FLUX1
         from grpo.sde import shifted_sigmas
 
         g = torch.Generator().manual_seed(0)
         latent = 2 * (resolution // 8)  # tiny VAE: scale factor 4
-        self.init = pack(torch.randn(batch, tcfg["in_channels"] // 4, latent, latent, generator=g)).to(device)
-        self.cond = make_conditioning(torch.randn(batch, text_tokens, tcfg["joint_attention_dim"], generator=g),
-                                      torch.randn(batch, tcfg["pooled_projection_dim"], generator=g), latent, 3.5,
-                                      tcfg["guidance_embeds"], device, torch.float32)
+        self.init = FLUX1.pack(torch.randn(batch, tcfg["in_channels"] // 4, latent, latent, generator=g)).to(device)
+        embeds = {"prompt_embeds": torch.randn(batch, text_tokens, tcfg["joint_attention_dim"], generator=g),
+                  "pooled": torch.randn(batch, tcfg["pooled_projection_dim"], generator=g)}
+        self.cond = FLUX1.conditioning(embeds, latent, 3.5, tcfg["guidance_embeds"], device, torch.float32)
         self.sigmas = shifted_sigmas(steps, 3.0)
         self.k = trained_transitions(steps, 0.6)
         self.trained = list(range(0, steps - 1, max(1, (steps - 1) // self.k)))[: self.k]
@@ -73,6 +73,7 @@ class Iteration:
     def __call__(self, model, backward, step, rollout=None) -> None:
         """`rollout()`: a context giving the module to sample with (the model itself by default)."""
         from grpo.loss import grpo_loss
+        from grpo.models.flux1 import FLUX1
         from grpo.rollout import SDEParams, sample, transition
 
         phases = dict.fromkeys(PHASES, 0.0)
@@ -86,11 +87,11 @@ class Iteration:
 
         sde = SDEParams(0.7, "dance")
         with torch.no_grad(), (rollout or (lambda: contextlib.nullcontext(model)))() as sampler:
-            traj = sample(sampler, self.cond, self.init, self.sigmas, sde,
+            traj = sample(FLUX1.velocity_of(sampler), self.cond, self.init, self.sigmas, sde,
                           [torch.Generator().manual_seed(i) for i in range(self.batch)])
         lap("rollout")
         for j in self.trained:
-            out = transition(model, self.cond, traj.latents, self.sigmas, j, sde)
+            out = transition(FLUX1.velocity_of(model), self.cond, traj.latents, self.sigmas, j, sde)
             loss, _ = grpo_loss(out.log_prob, traj.log_probs[:, j], self.advantages, clip_range=1e-4)
             lap("forward")
             backward(loss)
@@ -181,7 +182,7 @@ def profile_table(fn, rows: int = 10) -> tuple[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from grpo.flux import compile_seconds
+    from grpo.models.blocks import compile_seconds
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_args(parser, repeats=3, smoke_steps=3)

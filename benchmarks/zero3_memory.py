@@ -116,8 +116,8 @@ def worker_load(model: Path, mode: str, out: Path) -> None:
 
     from grpo import device as dev
     from grpo import engine as eng
-    from grpo.flux import load_transformer
     from grpo.loading import load_transformer_zero3
+    from grpo.models.flux1 import FLUX1
 
     info = dev.init_distributed()
     ds = filled_ds(recipe_config(FULL, 0.0), info.world_size, one_step=False)
@@ -127,7 +127,7 @@ def worker_load(model: Path, mode: str, out: Path) -> None:
     dist.barrier()
     base = rss()
     reset_peak_rss()
-    model_fn = load_transformer_zero3 if mode == "zero3" else (lambda p, d, _: load_transformer(p, d))
+    model_fn = load_transformer_zero3 if mode == "zero3" else (lambda p, d, _: FLUX1.load_transformer(p, d))
     engine = eng.build_reference(model_fn(str(model), torch.float32, ds), ds)
     peak = hwm()
     rows = [None] * info.world_size
@@ -145,8 +145,8 @@ def worker_load_check(folders: list[Path], out: Path) -> None:
 
     from grpo import device as dev
     from grpo import engine as eng
-    from grpo.flux import load_transformer
     from grpo.loading import load_transformer_zero3
+    from grpo.models.flux1 import FLUX1
     from tools.plan import transformer_inputs
 
     info = dev.init_distributed()
@@ -161,7 +161,7 @@ def worker_load_check(folders: list[Path], out: Path) -> None:
         with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
             got = {n: p.detach().clone() for n, p in params.items()}
         local_numel = sum(p.ds_tensor.numel() for p in params.values())
-        expected = load_transformer(str(folder), dtype)
+        expected = FLUX1.load_transformer(str(folder), dtype)
         mismatched = [n for n, t in expected.state_dict().items() if not torch.equal(got[n], t)]
         dtypes = sorted({str(t.dtype) for t in got.values()})
         del got
@@ -198,7 +198,7 @@ def worker_activations(preset: str, batch: int, resolution: int, lora: bool, che
     from peft import LoraConfig as PeftLoraConfig
 
     from benchmarks._common import build_transformer
-    from grpo.flux import enable_checkpointing
+    from grpo.models.blocks import enable_checkpointing
     from tools.plan import transformer_inputs
 
     torch.set_num_threads(1)

@@ -64,9 +64,10 @@ def fetch_whole_blocks(transformer: torch.nn.Module, enabled: bool) -> None:
     if not enabled:
         return
     from deepspeed.utils import set_z3_leaf_modules
-    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
 
-    for block in set_z3_leaf_modules(transformer, [FluxTransformerBlock, FluxSingleTransformerBlock]):
+    from grpo.models.blocks import block_classes
+
+    for block in set_z3_leaf_modules(transformer, block_classes(transformer)):
         block.register_forward_pre_hook(_inputs_by_position, with_kwargs=True)
 
 
@@ -130,7 +131,9 @@ def lora_state_dict(engine) -> dict[str, torch.Tensor] | None:
 
 
 def save_full(engine, out_dir: str | Path) -> None:
-    """A FluxTransformer2DModel folder (config + safetensors shards), gathered shard by shard (collective)."""
+    """A transformer folder of the model's own class (config + safetensors shards), gathered shard by shard
+    (collective)."""
     state = engine._zero3_consolidated_16bit_state_dict()  # rank 0 gets the tensors, others an empty dict
     if torch.distributed.get_rank() == 0:
-        write_transformer(state, dict(engine.module.config), out_dir, next(iter(state.values())).dtype)
+        write_transformer(state, type(engine.module).__name__, dict(engine.module.config), out_dir,
+                          next(iter(state.values())).dtype)

@@ -3,8 +3,8 @@
 * :func:`trained_weights`: the fp32 trainable weights of a checkpoint (DeepSpeed's ``zero_to_fp32`` of the optimizer's
   master shards, overlaid with the EMA weights when the checkpoint has them); :func:`apply_weights` puts them into a
   plain transformer. For one process without DeepSpeed: ``python -m tools.export`` and ``python -m tools.eval``.
-* :func:`write_lora` / :func:`write_transformer`: a diffusers LoRA file, or a FluxTransformer2DModel folder; the
-  recipe's final export writes with them.
+* :func:`write_lora` / :func:`write_transformer`: a diffusers LoRA file in the model family's format, or a folder of
+  the transformer's own class; the recipe's final export writes with them.
 
 Everything written is safetensors. DeepSpeed's reader unpickles its own ``.pt`` files (``weights_only=False``), so
 only read checkpoints you trust.
@@ -63,29 +63,27 @@ def lora_metadata(lora: dict) -> dict:
             "target_modules": list(lora["target_modules"]), "init_lora_weights": lora.get("init", "gaussian")}
 
 
-def write_lora(state: dict[str, torch.Tensor], lora: dict, out_dir: str | Path) -> None:
-    """A diffusers LoRA file (pytorch_lora_weights.safetensors) loadable by FluxPipeline.load_lora_weights.
+def write_lora(family, state: dict[str, torch.Tensor], lora: dict, out_dir: str | Path) -> None:
+    """A diffusers LoRA file (pytorch_lora_weights.safetensors) loadable by the family pipeline's load_lora_weights.
 
     Args:
+        family: the model's grpo.models.ModelFamily (its pipeline writes the file).
         state: adapter weights in PEFT naming (no adapter name), e.g. from grpo.engine.lora_state_dict.
         lora: the run's `lora:` settings (rank, alpha, target_modules, init).
         out_dir: the folder to write.
     """
-    from diffusers import FluxPipeline
-
-    FluxPipeline.save_lora_weights(str(out_dir), transformer_lora_layers={k: v.contiguous() for k, v in state.items()},
-                                   transformer_lora_adapter_metadata=lora_metadata(lora), safe_serialization=True)
+    family.save_lora(out_dir, state, lora_metadata(lora))
 
 
-def write_transformer(state: dict[str, torch.Tensor], transformer_config: dict, out_dir: str | Path,
-                      dtype: torch.dtype) -> None:
-    """A FluxTransformer2DModel folder: config.json + diffusion_pytorch_model*.safetensors."""
+def write_transformer(state: dict[str, torch.Tensor], class_name: str, transformer_config: dict,
+                      out_dir: str | Path, dtype: torch.dtype) -> None:
+    """A `class_name` (e.g. FluxTransformer2DModel) folder: config.json + diffusion_pytorch_model*.safetensors."""
     import diffusers
     from huggingface_hub import save_torch_state_dict
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = {"_class_name": "FluxTransformer2DModel", "_diffusers_version": diffusers.__version__,
+    config = {"_class_name": class_name, "_diffusers_version": diffusers.__version__,
               **{k: v for k, v in transformer_config.items() if not k.startswith("_")}}
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     save_torch_state_dict({k: v.to(dtype).contiguous() for k, v in state.items()}, str(out),

@@ -20,6 +20,7 @@ from grpo import checkpoint, lock, metrics, prompts
 from grpo.config import RecipeConfig
 from grpo.layout import Layout, derive_layout
 from grpo.errors import ConfigError
+from grpo.models import ModelFamily, family_of
 from grpo.rewards import check_rewards
 
 
@@ -27,6 +28,7 @@ from grpo.rewards import check_rewards
 class Inputs:
     layout: Layout
     model_path: str  # a local diffusers folder
+    family: ModelFamily  # from its model_index.json
     ds_config: dict  # the DeepSpeed config with the batch fields filled
 
 
@@ -41,6 +43,7 @@ def resolve_model_path(path: str, revision: str | None = None) -> str:
                 f"model.path: {path} has no model_index.json; point it at a diffusers FLUX folder "
                 "(e.g. assets/tiny-flux or a downloaded black-forest-labs/FLUX.1-dev)"
             )
+        family_of(path)  # a pipeline of no supported family is refused here, before any weight is read
         return path
     if path.count("/") != 1 or path.startswith((".", "/")):
         raise ConfigError(f"model.path: {path} is not a folder; give a local diffusers folder or a hub id such as "
@@ -97,23 +100,22 @@ def load_ds_config(path: str, cfg: RecipeConfig, layout: Layout) -> dict:
 
 def check_lora_targets(transformer, targets: list[str]) -> None:
     """Every lora.target_modules entry must name a module: PEFT skips an entry that matches nothing (a typo trains
-    fewer layers than asked) and fails with a traceback only when none match."""
+    fewer layers than asked) and fails with a traceback only when none match. The error names the linear layers of
+    the first double and single block, which differ between families (FLUX.2 fuses the single blocks' q/k/v/MLP)."""
+    import torch
+
     names = [name for name, _ in transformer.named_modules()]
     for target in targets:
         if not any(n == target or n.endswith(f".{target}") for n in names):  # PEFT's rule for a list of names
-            raise ConfigError(f"lora.target_modules: {target!r} matches no module of the transformer; use module "
-                              "names such as to_q, to_k, to_v, to_out.0 (see transformer.named_modules())")
+            linear = [n for b in (transformer.transformer_blocks[0], transformer.single_transformer_blocks[0])
+                      for n, m in b.named_modules() if isinstance(m, torch.nn.Linear)]
+            raise ConfigError(f"lora.target_modules: {target!r} matches no module of the {type(transformer).__name__};"
+                              f" use names of its blocks' linear layers: {', '.join(dict.fromkeys(linear))}")
 
 
 def check_lora_targets_on_config(model_path: str, targets: list[str]) -> None:
     """:func:`check_lora_targets` on the transformer built from its config.json on the meta device (no weights)."""
-    import torch
-    from diffusers import FluxTransformer2DModel
-
-    config = FluxTransformer2DModel.load_config(Path(model_path) / "transformer")
-    with torch.device("meta"):
-        transformer = FluxTransformer2DModel.from_config(config)
-    check_lora_targets(transformer, targets)
+    check_lora_targets(family_of(model_path).meta_transformer(model_path), targets)
 
 
 def check_output_dir(path: str) -> None:
@@ -158,4 +160,4 @@ def check_inputs(cfg: RecipeConfig, world_size: int) -> Inputs:
     # Structure only: hashing every checkpoint file takes minutes for FLUX.1-dev, a job the recipe's ranks share, and
     # `auto` may move a broken checkpoint aside, which a check must not do.
     checkpoint.resume_point(cfg, world_size, check=checkpoint.structure)
-    return Inputs(layout, model_path, ds_config)
+    return Inputs(layout, model_path, family_of(model_path), ds_config)

@@ -7,7 +7,7 @@ constructed, and random initialisation is skipped), then filled module by module
 `GatheredParameters(module params, modifier_rank=0)`, rank 0 copies the module's tensors in from the safetensors shards,
 read lazily with `safe_open` (only that module's bytes are touched), and on exit DeepSpeed broadcasts rank 0's values
 and re-partitions. A node's memory therefore peaks at the ranks' partitions (one copy in all) plus one module per
-rank, and the result is bit-identical to `from_pretrained(..., torch_dtype=dtype)` (same tensors, same cast).
+rank, and the result is bit-identical to `from_pretrained(..., dtype=dtype)` (same tensors, same cast).
 
 Parameters built outside zero.Init (LoRA adapters added afterwards) are converted by `deepspeed.initialize`,
 which broadcasts them from rank 0, so `add_adapter` keeps working on a model loaded here.
@@ -134,7 +134,7 @@ def fill_from_safetensors(model: nn.Module, folder: str | Path) -> None:
 
 
 def load_transformer_zero3(path: str, dtype: torch.dtype, ds_config: dict):
-    """A FluxTransformer2DModel from `<path>/transformer`, partitioned by ZeRO-3 as it is built (collective).
+    """The family's transformer from `<path>/transformer`, partitioned by ZeRO-3 as it is built (collective).
 
     Args:
         path: a local diffusers pipeline folder (see grpo.inputs.resolve_model_path).
@@ -145,18 +145,19 @@ def load_transformer_zero3(path: str, dtype: torch.dtype, ds_config: dict):
         The model in eval mode, as from_pretrained returns it; its parameters are ZeRO-3 partitions.
     """
     import deepspeed
-    from diffusers import FluxTransformer2DModel
     from diffusers.models.modeling_utils import no_init_weights
 
     from grpo.engine import precision
+    from grpo.models import family_of
 
     if precision(ds_config) != dtype:
         raise ValueError(f"dtype {dtype} differs from the DeepSpeed precision {precision(ds_config)}")
     folder = Path(path) / "transformer"
-    config = FluxTransformer2DModel.load_config(folder)
+    cls = family_of(path).transformer_class()
+    config = cls.load_config(folder)
     # no_init_weights: the random init would be overwritten anyway (and costs minutes at 12B on a CPU).
     with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=ds_config, mem_efficient_linear=False):
-        model = FluxTransformer2DModel.from_config(config)
+        model = cls.from_config(config)
     fill_from_safetensors(model, folder)
     return model.eval()
 
@@ -165,6 +166,6 @@ def transformer_loader(zero_init: bool, ds_config: dict) -> Callable[[str, torch
     """The recipe's transformer loader: sharded (zero.Init + safetensors) or from_pretrained on every rank."""
     if zero_init:
         return lambda path, dtype: load_transformer_zero3(path, dtype, ds_config)
-    from grpo.flux import load_transformer
+    from grpo.models import family_of
 
-    return load_transformer
+    return lambda path, dtype: family_of(path).load_transformer(path, dtype)

@@ -1,8 +1,9 @@
 """Prompt files and the precomputed prompt-embedding cache (DanceGRPO's preprocessing step).
 
 Training never holds the text encoders: `python -m tools.prompts CONFIG [key=value ...]` encodes the train and eval
-prompt files once with the pipeline's own `encode_prompt` into safetensors files under `data.cache_dir`, named by
-a hash of (model, max_sequence_length, prompts), so a changed prompt file or model never reads a stale cache.
+prompt files once with the pipeline's own `encode_prompt` (through the model family, grpo.models) into safetensors
+files under `data.cache_dir`, named by a hash of (model, max_sequence_length, prompts), so a changed prompt file or
+model never reads a stale cache.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from grpo.errors import ConfigError
+from grpo.models import family_of
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ def cache_file(cache_dir: str | Path, model_path: str, prompts: list[str], max_s
     # The text encoders' file stats are in the key too: a rebuilt model at the same path gets a fresh cache.
     stats = sorted(
         (str(f.relative_to(model_path)), f.stat().st_size, f.stat().st_mtime_ns)
-        for sub in ("text_encoder", "text_encoder_2")
+        for sub in family_of(model_path).text_folders
         for f in (Path(model_path) / sub).glob("*")
         if f.is_file()
     )
@@ -54,38 +56,32 @@ def cache_file(cache_dir: str | Path, model_path: str, prompts: list[str], max_s
 
 @dataclass
 class PromptCache:
+    """Prompts and their embeddings, in the family's layout (FLUX.1: prompt_embeds [P, L, D] from T5 and pooled
+    [P, Dp] from CLIP; FLUX.2: prompt_embeds [P, L, 3D], three hidden-state layers side by side)."""
+
     prompts: list[str]
-    prompt_embeds: torch.Tensor  # [P, L, D] (T5)
-    pooled: torch.Tensor  # [P, Dp] (CLIP pooled)
+    embeds: dict[str, torch.Tensor]
 
     def __len__(self) -> int:
         return len(self.prompts)
 
+    def rows(self, idx: list[int]) -> dict[str, torch.Tensor]:
+        return {k: v[idx] for k, v in self.embeds.items()}
 
-@torch.no_grad()
+
 def encode(model_path: str, prompts: list[str], max_sequence_length: int, device: torch.device,
            batch_size: int = 64, dtype: torch.dtype = torch.float32) -> PromptCache:
-    """Encode prompts with the pipeline's text encoders (FluxPipeline.encode_prompt), then free them."""
-    from diffusers import FluxPipeline
-
-    pipe = FluxPipeline.from_pretrained(model_path, transformer=None, vae=None, torch_dtype=dtype)
-    pipe.text_encoder.to(device)
-    pipe.text_encoder_2.to(device)
-    embeds, pooled = [], []
-    for i in range(0, len(prompts), batch_size):
-        chunk = prompts[i : i + batch_size]
-        e, p, _ = pipe.encode_prompt(chunk, chunk, device=device, max_sequence_length=max_sequence_length)
-        embeds.append(e.float().cpu())
-        pooled.append(p.float().cpu())
-    del pipe
-    return PromptCache(prompts, torch.cat(embeds), torch.cat(pooled))
+    """Encode prompts with the pipeline's own text encoders and encode_prompt (see grpo.models), then free them."""
+    family = family_of(model_path)
+    return PromptCache(prompts, family.encode_prompts(model_path, prompts, max_sequence_length, device,
+                                                      batch_size, dtype))
 
 
 def save_cache(cache: PromptCache, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    save_file({"prompt_embeds": cache.prompt_embeds.contiguous(), "pooled": cache.pooled.contiguous()}, str(tmp),
+    save_file({k: v.contiguous() for k, v in cache.embeds.items()}, str(tmp),
               metadata={"prompts": json.dumps(cache.prompts)})
     tmp.replace(path)  # atomic: a reader never sees half a cache
 
@@ -95,8 +91,7 @@ def load_cache(path: str | Path) -> PromptCache:
 
     with safe_open(str(path), framework="pt") as f:
         prompts = json.loads(f.metadata()["prompts"])
-    tensors = load_file(str(path))
-    return PromptCache(prompts, tensors["prompt_embeds"], tensors["pooled"])
+    return PromptCache(prompts, load_file(str(path)))
 
 
 def ensure_cache(model_path: str, prompt_file: str, setting: str, cache_dir: str, max_sequence_length: int,

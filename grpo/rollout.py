@@ -12,16 +12,22 @@ gets this only at batch 1 because its rollout batch (1) differs from its trainin
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from grpo.config import SamplingConfig
 from grpo.data import INIT_NOISE, initial_noise
-from grpo.flux import Conditioning, FluxParts, decode, make_conditioning, pack, velocity
+from grpo.models import Conditioning, ModelFamily, Parts
 from grpo.prompts import PromptCache
-from grpo.sde import StepOut, dynamic_sigmas, predicted_x0, sde_mean_std, sde_sample, sde_step, shifted_sigmas
+from grpo.sde import StepOut, predicted_x0, sde_mean_std, sde_sample, sde_step, shifted_sigmas
 from grpo.solvers import dpm_solver_pp_sample, flash_sigmas
 from grpo.tree import Tree
+
+
+# x [B, S, C], timestep [B], conditioning -> float32 velocity [B, S, C]: a transformer called the way its family's
+# pipeline calls it (ModelFamily.velocity bound to one model: the policy, the reference or the lagging policy).
+Velocity = Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor]
 
 
 @dataclass
@@ -67,7 +73,7 @@ def timestep(sigmas: torch.Tensor, i: int, batch: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample(model: torch.nn.Module, cond: Conditioning, init_latents: torch.Tensor, sigmas: torch.Tensor,
+def sample(velocity: Velocity, cond: Conditioning, init_latents: torch.Tensor, sigmas: torch.Tensor,
            sde: SDEParams, noise_generators: list[torch.Generator] | None = None, window: range | None = None,
            tail: torch.Tensor | None = None, keep_means: bool = False, tree: Tree | None = None) -> Trajectories:
     """Roll out one micro-batch from `init_latents` [B, S, C] along `sigmas` [T+1].
@@ -95,7 +101,7 @@ def sample(model: torch.nn.Module, cond: Conditioning, init_latents: torch.Tenso
         for i in range(steps):
             heads = tree.heads(b, i).to(device)
             nodes = x[heads]
-            v = velocity(model, nodes, timestep(sigmas, i, len(heads)).to(device), cond.select(heads))
+            v = velocity(nodes, timestep(sigmas, i, len(heads)).to(device), cond.select(heads))
             if i == steps - 1:
                 x0 = predicted_x0(nodes, v, float(sigmas[i]))[tree.owner(b, i).to(device)]
             children = tree.heads(b, i + 1)
@@ -106,7 +112,7 @@ def sample(model: torch.nn.Module, cond: Conditioning, init_latents: torch.Tenso
             log_probs.append(out.log_prob)
         return Trajectories(torch.stack(latents, dim=1), torch.stack(log_probs, dim=1), x0, nfe=steps)
     for i in range(grid_steps):
-        v = velocity(model, x, timestep(sigmas, i, b).to(device), cond)
+        v = velocity(x, timestep(sigmas, i, b).to(device), cond)
         if i == steps - 1 or (tail is not None and i == grid_steps - 1):
             x0 = predicted_x0(x, v, float(sigmas[i]))
         noise = None
@@ -122,7 +128,7 @@ def sample(model: torch.nn.Module, cond: Conditioning, init_latents: torch.Tenso
             means.append(out.mean)
     if tail is not None:
         def x0_of(xt: torch.Tensor, k: int) -> torch.Tensor:
-            return predicted_x0(xt, velocity(model, xt, timestep(tail, k, b).to(device), cond), float(tail[k]))
+            return predicted_x0(xt, velocity(xt, timestep(tail, k, b).to(device), cond), float(tail[k]))
 
         x0 = dpm_solver_pp_sample(x, x0_of, tail, x0_prev=x0, sigma_prev=float(sigmas[grid_steps - 1]))
     return Trajectories(
@@ -154,9 +160,9 @@ def tree_step(x: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, i: int, sd
     return StepOut(out.prev_sample[owner], out.mean[owner], out.std, out.log_prob[owner])
 
 
-def transition(model: torch.nn.Module, cond: Conditioning, traj_latents: torch.Tensor, sigmas: torch.Tensor,
+def transition(velocity: Velocity, cond: Conditioning, traj_latents: torch.Tensor, sigmas: torch.Tensor,
                i: int, sde: SDEParams, tree: Tree | None = None) -> StepOut:
-    """Log-prob (and SDE mean) of the stored transition x_i -> x_{i+1} under `model`; differentiable.
+    """Log-prob (and SDE mean) of the stored transition x_i -> x_{i+1} under `velocity`'s model; differentiable.
 
     With a tree, one row per edge into depth i + 1 (the rows tree.heads(B, i + 1)), computed from one model call per
     node at depth i, as the rollout computed it."""
@@ -164,19 +170,19 @@ def transition(model: torch.nn.Module, cond: Conditioning, traj_latents: torch.T
         b = traj_latents.shape[0]
         heads = tree.heads(b, i).to(traj_latents.device)
         x = traj_latents[heads, i]
-        v = velocity(model, x, timestep(sigmas, i, len(heads)).to(x.device), cond.select(heads))
+        v = velocity(x, timestep(sigmas, i, len(heads)).to(x.device), cond.select(heads))
         children = tree.heads(b, i + 1).to(x.device)
         return tree_step(x, v, sigmas, i, sde, tree, b, prev_sample=traj_latents[children, i + 1])
     x, x_next = traj_latents[:, i], traj_latents[:, i + 1]
-    v = velocity(model, x, timestep(sigmas, i, x.shape[0]).to(x.device), cond)
+    v = velocity(x, timestep(sigmas, i, x.shape[0]).to(x.device), cond)
     return sde.step(x, v, sigmas, i, prev_sample=x_next)
 
 
-def schedule(s: SamplingConfig, latent_size: int, scheduler_config: dict) -> torch.Tensor:
-    """The sigma schedule [num_steps + 1] of a preset: a static time shift, or diffusers' dynamic one (the only one
-    with which sampling reproduces FluxPipeline, whose default is the dynamic shift)."""
+def schedule(s: SamplingConfig, family: ModelFamily, latent_size: int, scheduler_config: dict) -> torch.Tensor:
+    """The sigma schedule [num_steps + 1] of a preset: a static time shift, or the family's dynamic one (the only one
+    with which sampling reproduces the family's pipeline, whose default is the dynamic shift)."""
     if s.shift == "dynamic":
-        return dynamic_sigmas(s.num_steps, (latent_size // 2) ** 2, scheduler_config)
+        return family.dynamic_sigmas(s.num_steps, (latent_size // 2) ** 2, scheduler_config)
     return shifted_sigmas(s.num_steps, float(s.shift))
 
 
@@ -184,6 +190,7 @@ def schedule(s: SamplingConfig, latent_size: int, scheduler_config: dict) -> tor
 class FluxSampler:
     """Everything that turns prompt embeddings and seeds into trajectories and images, except the transformer."""
 
+    family: ModelFamily
     vae: torch.nn.Module
     vae_scale_factor: int
     latent_size: int
@@ -202,24 +209,28 @@ class FluxSampler:
         return Tree.of(self.sampling)
 
     @classmethod
-    def from_parts(cls, parts: FluxParts, vae: torch.nn.Module, s: SamplingConfig, seed: int, device: torch.device,
+    def from_parts(cls, parts: Parts, vae: torch.nn.Module, s: SamplingConfig, seed: int, device: torch.device,
                    dtype: torch.dtype) -> "FluxSampler":
         """`vae`: parts.vae where it should live (on the device, or on the host when offloaded)."""
-        config = parts.transformer.config
+        family, config = parts.family, parts.transformer.config
         latent_size = parts.latent_size(s.resolution)
-        return cls(vae, parts.vae_scale_factor, latent_size, config.in_channels // 4, config.guidance_embeds,
-                   schedule(s, latent_size, parts.scheduler_config), SDEParams(s.eta, s.sde), s, seed, device,
-                   dtype)
+        return cls(family, vae, parts.vae_scale_factor, latent_size, family.latent_channels(config),
+                   bool(config.guidance_embeds), schedule(s, family, latent_size, parts.scheduler_config),
+                   SDEParams(s.eta, s.sde), s, seed, device, dtype)
 
     def conditioning(self, cache: PromptCache, prompt_idx: list[int]) -> Conditioning:
-        return make_conditioning(cache.prompt_embeds[prompt_idx], cache.pooled[prompt_idx], self.latent_size,
-                                 self.sampling.guidance, self.guidance_embeds, self.device, self.dtype)
+        return self.family.conditioning(cache.rows(prompt_idx), self.latent_size, self.sampling.guidance,
+                                        self.guidance_embeds, self.device, self.dtype)
+
+    def velocity(self, model: torch.nn.Module) -> Velocity:
+        """`model` called as the family's pipeline calls its transformer."""
+        return self.family.velocity_of(model)
 
     def initial_latents(self, step: int, keys: list[int], stream: int = INIT_NOISE) -> torch.Tensor:
         """Packed float32 starting noise [B, S, C], one pure function of (seed, step, key, stream) per row."""
-        shape = (self.latent_channels, self.latent_size, self.latent_size)
+        shape = self.family.noise_shape(self.latent_channels, self.latent_size)
         noise = torch.stack([initial_noise(shape, self.seed, step, k, stream) for k in keys])
-        return pack(noise).to(self.device)
+        return self.family.pack(noise).to(self.device)
 
     def sample(self, model: torch.nn.Module, cond: Conditioning, init_latents: torch.Tensor,
                noise_generators: list[torch.Generator] | None = None, window: range | None = None,
@@ -228,7 +239,8 @@ class FluxSampler:
         first step) or its tree; `eta` overrides the preset's (0 = ODE, as in eval: the schedule's own steps, never a
         tail or a tree)."""
         if eta is None and self.tree is not None:
-            return sample(model, cond, init_latents, self.sigmas, self.sde, noise_generators, tree=self.tree)
+            return sample(self.velocity(model), cond, init_latents, self.sigmas, self.sde, noise_generators,
+                          tree=self.tree)
         sde = self.sde if eta is None else SDEParams(eta, self.sde.kind)
         if window is None and eta is None and self.sampling.tail == "dpm2":
             # nft/awm's ODE rollouts (eta 0): one Euler step from sigma 1, where DPM-Solver++'s lambda is -inf, then
@@ -238,15 +250,16 @@ class FluxSampler:
         if window is not None and self.sampling.tail == "dpm2":
             last = window[-1]
             tail = flash_sigmas(self.sigmas, last, self.sampling.compress_ratio, float(self.sampling.shift))[last + 1:]
-        return sample(model, cond, init_latents, self.sigmas, sde, noise_generators, window, tail, keep_means)
+        return sample(self.velocity(model), cond, init_latents, self.sigmas, sde, noise_generators, window, tail,
+                      keep_means)
 
     def velocity_at(self, model: torch.nn.Module, x: torch.Tensor, i: int, cond: Conditioning) -> torch.Tensor:
         """`model`'s velocity at latents `x` [B, S, C] at schedule point i (nft/awm's noised clean samples)."""
-        return velocity(model, x, timestep(self.sigmas, i, len(x)).to(x.device), cond)
+        return self.velocity(model)(x, timestep(self.sigmas, i, len(x)).to(x.device), cond)
 
     def transition(self, model: torch.nn.Module, cond: Conditioning, latents: torch.Tensor, i: int) -> StepOut:
         """:func:`transition` i of stored trajectory `latents` along this sampler's schedule."""
-        return transition(model, cond, latents, self.sigmas, i, self.sde, self.tree)
+        return transition(self.velocity(model), cond, latents, self.sigmas, i, self.sde, self.tree)
 
     def decode(self, x0: torch.Tensor) -> torch.Tensor:
-        return decode(self.vae, x0, self.sampling.resolution, self.vae_scale_factor)
+        return self.family.decode(self.vae, x0, self.sampling.resolution, self.vae_scale_factor)

@@ -60,15 +60,16 @@ def time_shift(u: Tensor, shift: float) -> Tensor:
     return u / (u + (1.0 - u) / float(shift))
 
 
-def dynamic_sigmas(num_steps: int, image_seq_len: int, scheduler_config: dict) -> Tensor:
-    """The schedule diffusers' FluxPipeline builds with FlowMatchEulerDiscreteScheduler (diffusers
-    pipelines/flux/pipeline_flux.py calculate_shift).
+def dynamic_sigmas(num_steps: int, mu: float, scheduler_config: dict) -> Tensor:
+    """The schedule a FLUX pipeline builds with FlowMatchEulerDiscreteScheduler for the dynamic shift `mu`.
 
-    Reuses diffusers rather than re-deriving it, so inference with the stock pipeline and our rollout agree.
+    Reuses diffusers rather than re-deriving it, so inference with the stock pipeline and our rollout agree. The
+    family's pipeline computes mu from the token count (grpo.models: FLUX.1's calculate_shift, FLUX.2's empirical
+    rule).
 
     Args:
         num_steps: N, the number of sampler steps (>= 1).
-        image_seq_len: packed latent tokens, (h/2)·(w/2) of the VAE latent grid (latents.shape[1]).
+        mu: the time shift's log-scale (the sampler shifts by exp(mu)).
         scheduler_config: the model's scheduler/scheduler_config.json as a dict.
 
     Returns:
@@ -76,22 +77,14 @@ def dynamic_sigmas(num_steps: int, image_seq_len: int, scheduler_config: dict) -
     """
     import numpy as np
     from diffusers import FlowMatchEulerDiscreteScheduler
-    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
     if num_steps < 1:
         raise ConfigError(f"num_steps: must be >= 1, got {num_steps}; use a positive number of sampler steps")
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
-    # Same lines as FluxPipeline.__call__ (diffusers 0.3x-0.4x).
+    # Same lines as FluxPipeline.__call__ and Flux2KleinPipeline.__call__ (diffusers 0.3x-0.4x).
     sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
     if getattr(scheduler.config, "use_flow_sigmas", False):
         sigmas = None
-    mu = calculate_shift(
-        image_seq_len,
-        scheduler.config.get("base_image_seq_len", 256),
-        scheduler.config.get("max_image_seq_len", 4096),
-        scheduler.config.get("base_shift", 0.5),
-        scheduler.config.get("max_shift", 1.15),
-    )
     if sigmas is None:
         scheduler.set_timesteps(num_inference_steps=num_steps, mu=mu)
     else:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from grpo.flux import Conditioning
+from grpo.models import Conditioning
 from grpo.rollout import Trajectories
 
 

@@ -76,7 +76,7 @@ from grpo.data import micro_batches, prompts_for_step, step_noise_generator
 from grpo.distributed import gather_by_index
 from grpo.ema import ShardedEMA
 from grpo.errors import ConfigError, rank_exit
-from grpo.flux import compile_blocks, compile_seconds, enable_checkpointing, load_parts
+from grpo.models.blocks import compile_blocks, compile_seconds, enable_checkpointing
 from grpo.inputs import check_inputs
 from grpo.loading import transformer_loader
 from grpo.loss import poison_nonfinite
@@ -126,6 +126,7 @@ class FluxGRPORecipe:
         self.device = self.dist.device
         inputs = check_inputs(cfg, self.world)  # what launch/*.sh check before torchrun: batch, files, output_dir
         self.layout, self.model_path, self.ds_config = inputs.layout, inputs.model_path, inputs.ds_config
+        self.family = inputs.family  # FLUX.1 or FLUX.2, from the folder's model_index.json (grpo/models/)
         self.dtype = eng.precision(self.ds_config)
         dev.check_dtype_supported(self.dtype, "deepspeed.config precision")
         self.out = Path(cfg.output_dir)
@@ -149,8 +150,8 @@ class FluxGRPORecipe:
         self._setup_data()
         # model.zero_init: built inside zero.Init and filled from the safetensors shards, ~one host copy per node
         self.load_transformer = transformer_loader(cfg.model.zero_init, self.ds_config)
-        parts = load_parts(self.model_path, vae_dtype=dev.resolve_dtype(cfg.model.dtype), transformer_dtype=self.dtype,
-                           transformer_loader=self.load_transformer)
+        parts = self.family.load_parts(self.model_path, vae_dtype=dev.resolve_dtype(cfg.model.dtype),
+                                       transformer_dtype=self.dtype, transformer_loader=self.load_transformer)
         self.vae = parts.vae if cfg.model.offload_vae else parts.vae.to(self.device)  # decode() visits the device
         dev.set_attention_backend(parts.transformer, cfg.model.attention_backend)
         self.sampler = FluxSampler.from_parts(parts, self.vae, cfg.sampling, cfg.seed, self.device, self.dtype)
@@ -447,7 +448,8 @@ class FluxGRPORecipe:
             if self.cfg.lora is not None:
                 state = eng.lora_state_dict(self.engine)  # rank 0 only, else None
                 if state is not None:
-                    export.write_lora(state, dataclasses.asdict(self.cfg.lora), self.out / "final" / "lora")
+                    export.write_lora(self.family, state, dataclasses.asdict(self.cfg.lora),
+                                      self.out / "final" / "lora")
             else:
                 eng.save_full(self.engine, self.out / "final" / "transformer")
         dist.barrier()

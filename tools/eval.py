@@ -26,9 +26,9 @@ from grpo.config import RecipeConfig, load_config
 from grpo.errors import ConfigError, run_command
 from grpo.eval import eval_images, sample_heldout, score_heldout
 from grpo.export import apply_weights, trained_weights
-from grpo.flux import load_parts
 from grpo.inputs import load_ds_config, resolve_model_path
 from grpo.layout import derive_layout
+from grpo.models import family_of
 from grpo.metrics import save_grid
 from grpo.prompts import ensure_cache, load_cache, read_prompt_file
 from grpo.rewards import build_rewards, check_rewards, mix
@@ -86,7 +86,7 @@ def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weight
     device = dev.device_for_local_rank(0)
     cache = load_cache(ensure_cache(model_path, cfg.data.eval_prompts, "data.eval_prompts", cfg.data.cache_dir,
                                     cfg.data.max_sequence_length, device))
-    parts = load_parts(model_path, vae_dtype=dev.resolve_dtype(cfg.model.dtype), transformer_dtype=dtype)
+    parts = family_of(model_path).load_parts(model_path, vae_dtype=dev.resolve_dtype(cfg.model.dtype), transformer_dtype=dtype)
     model = parts.transformer.to(device).eval()
     dev.set_attention_backend(model, cfg.model.attention_backend)
     sampler = FluxSampler.from_parts(parts, parts.vae.to(device), cfg.sampling, cfg.seed, device, dtype)

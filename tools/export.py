@@ -6,11 +6,12 @@ CHECKPOINT is a checkpoint folder (output_dir/checkpoints/step_...) or a run fol
 The fp32 weights come from DeepSpeed's ``zero_to_fp32`` (the optimizer's master shards of every rank), overlaid with
 the EMA weights when the checkpoint has them (``--weights auto``, the default).
 
-* LoRA run, ``--format lora`` (default): a diffusers LoRA file for ``FluxPipeline.load_lora_weights(OUT)``, with the
-  adapter's rank and alpha stored in the safetensors metadata (without them diffusers would assume alpha = rank).
+* LoRA run, ``--format lora`` (default): a diffusers LoRA file for the pipeline's ``load_lora_weights(OUT)``
+  (FluxPipeline's, Flux2KleinPipeline's), with the adapter's rank and alpha stored in the safetensors metadata
+  (without them diffusers would assume alpha = rank).
 * LoRA run, ``--format full``: the adapter fused into the base transformer (model.path of the run's config).
-* Full fine-tune (default ``--format full``): a folder for ``FluxTransformer2DModel.from_pretrained(OUT)``
-  (config.json + safetensors shards).
+* Full fine-tune (default ``--format full``): a folder for the transformer class's ``from_pretrained(OUT)``
+  (FluxTransformer2DModel, Flux2Transformer2DModel: config.json + safetensors shards).
 
 Everything written is safetensors. DeepSpeed's reader unpickles its own ``.pt`` files (``weights_only=False``), so
 only export checkpoints you trust; the checkpoint's sha256 list is verified first.
@@ -30,8 +31,8 @@ from grpo.checkpoint import find_checkpoint
 from grpo.device import resolve_dtype
 from grpo.errors import ConfigError, run_command
 from grpo.export import apply_weights, trained_weights, write_lora, write_transformer
-from grpo.flux import load_transformer
 from grpo.inputs import resolve_model_path
+from grpo.models import ModelFamily, family_of
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +44,17 @@ def peft_lora_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k.replace(ADAPTER, ""): v for k, v in state.items() if "lora_" in k}
 
 
+def base_model(meta: dict) -> tuple[str, ModelFamily]:
+    """The run's model.path as a local folder, and its family."""
+    cfg = meta["config"]["model"]
+    path = resolve_model_path(cfg["path"], cfg.get("revision"))
+    return path, family_of(path)
+
+
 def fused_state(state: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
     """Base transformer (the run's model.path) with the adapter merged: W + (alpha / r) * B @ A."""
-    cfg = meta["config"]["model"]
-    model = load_transformer(resolve_model_path(cfg["path"], cfg.get("revision")), torch.float32)
+    path, family = base_model(meta)
+    model = family.load_transformer(path, torch.float32)
     apply_weights(model, state, meta)
     for module in model.modules():
         if isinstance(module, BaseTunerLayer):
@@ -71,13 +79,15 @@ def export(checkpoint: str | Path, out: str | Path, fmt: str | None = None, weig
     torch_dtype = resolve_dtype(dtype)
     state, meta = trained_weights(path, weights)
     fmt = fmt or ("lora" if meta["lora"] else "full")
+    family = base_model(meta)[1]
     if fmt == "lora":
         if not meta["lora"]:
             raise ConfigError(f"--format: lora, but {path} is a full fine-tune; use --format full")
-        write_lora({k: v.to(torch_dtype) for k, v in peft_lora_state(state).items()}, meta["config"]["lora"], out)
+        write_lora(family, {k: v.to(torch_dtype) for k, v in peft_lora_state(state).items()},
+                   meta["config"]["lora"], out)
     elif fmt == "full":
         full = fused_state(state, meta) if meta["lora"] else state
-        write_transformer(full, meta["transformer_config"], out, torch_dtype)
+        write_transformer(full, family.transformer_class().__name__, meta["transformer_config"], out, torch_dtype)
     else:
         raise ConfigError(f"--format: {fmt!r}; use lora or full")
     log.info("exported %s (%s weights, step %d) as %s to %s", path, meta["weights"], meta["step"], fmt, out)
@@ -89,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", help="output_dir/checkpoints/step_... or a run folder")
     parser.add_argument("out", help="folder to write (must be new or empty)")
     parser.add_argument("--format", choices=["lora", "full"], default=None,
-                        help="lora (LoRA runs' default) or full (a FluxTransformer2DModel folder)")
+                        help="lora (LoRA runs' default) or full (a transformer folder)")
     parser.add_argument("--weights", choices=["auto", "ema", "model"], default="auto",
                         help="auto: EMA weights when the checkpoint has them")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")

@@ -57,7 +57,8 @@ from grpo.layout import derive_layout
 from grpo.objectives import objective_of
 from grpo.device import resolve_dtype
 from grpo.errors import ConfigError, run_command
-from grpo.flux import enable_checkpointing
+from grpo.models import ModelFamily, family_of_transformer
+from grpo.models.blocks import enable_checkpointing
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,10 +109,9 @@ def model_configs(path: str, revision: str | None = None) -> tuple[dict, dict | 
 
 def meta_transformer(config: dict, dtype: torch.dtype, lora=None) -> nn.Module:
     """The transformer on the meta device (no memory), with LoRA adapters added as the recipe adds them."""
-    from diffusers import FluxTransformer2DModel
-
+    cls = family_of_transformer(config).transformer_class()
     with torch.device("meta"):
-        model = FluxTransformer2DModel.from_config({k: v for k, v in config.items() if not k.startswith("_")})
+        model = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
         _cast(model, dtype)
         if lora is None:
             model.requires_grad_(True)
@@ -203,13 +203,8 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
 
 def transformer_inputs(config: dict, batch: int, image_tokens: int, text_tokens: int, dtype: torch.dtype,
                        device: torch.device | str = "meta") -> dict:
-    """Keyword arguments of one transformer call, as grpo.flux.velocity builds them."""
-    t = lambda *shape, dt=dtype: torch.randn(*shape, device=device).to(dt)  # noqa: E731
-    return dict(hidden_states=t(batch, image_tokens, config["in_channels"]),
-                encoder_hidden_states=t(batch, text_tokens, config["joint_attention_dim"]),
-                pooled_projections=t(batch, config["pooled_projection_dim"]), timestep=t(batch),
-                guidance=t(batch, dt=torch.float32) if config.get("guidance_embeds") else None,
-                img_ids=t(image_tokens, 3), txt_ids=t(text_tokens, 3), return_dict=False)
+    """Keyword arguments of one call of the transformer of `config`, as its family's velocity builds them."""
+    return family_of_transformer(config).example_inputs(config, batch, image_tokens, text_tokens, dtype, device)
 
 
 def _tensors(kwargs: dict) -> list[torch.Tensor]:
@@ -316,18 +311,16 @@ def _transformer_trace(config_json: str, dtype: torch.dtype, lora: tuple | None,
         no_grad_peak=live_peak(lambda: model(**inputs), [*model.parameters(), *_tensors(inputs)]),
         largest_module=max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in model.modules()),
         largest_block=max(sum(p.numel() for p in block.parameters())
-                          for block in (*model.transformer_blocks, *model.single_transformer_blocks)),
+                          for block in ModelFamily.blocks(model)),
     )
 
 
 @functools.lru_cache(maxsize=8)
-def _vae_trace(config_json: str, dtype: torch.dtype, batch: int, latent: int) -> tuple[int, int]:
+def _vae_trace(vae_class: type, config_json: str, dtype: torch.dtype, batch: int, latent: int) -> tuple[int, int]:
     """(VAE weight bytes, peak live bytes of decoding one micro-batch)."""
-    from diffusers import AutoencoderKL
-
     config = json.loads(config_json)
     with torch.device("meta"):
-        vae = AutoencoderKL.from_config({k: v for k, v in config.items() if not k.startswith("_")})
+        vae = vae_class.from_config({k: v for k, v in config.items() if not k.startswith("_")})
     _cast(vae, dtype)
     z = torch.empty(batch, config["latent_channels"], latent, latent, device="meta", dtype=dtype)
     return sum(p.numel() for p in vae.parameters()) * dtype.itemsize, live_peak(lambda: vae.decode(z),
@@ -440,7 +433,8 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
     vae_weights = vae_decode = 0
     if vae_config is not None:
         vdtype = resolve_dtype(cfg.model.dtype)
-        vae_weights, vae_decode = _vae_trace(json.dumps(vae_config, sort_keys=True), vdtype, r, latent)  # eval: r
+        vae_weights, vae_decode = _vae_trace(family_of_transformer(transformer_config).vae_class(),  # eval: r
+                                             json.dumps(vae_config, sort_keys=True), vdtype, r, latent)
     if not cfg.model.offload_vae:
         resident["VAE"] = vae_weights
     reward_resident, reward_visiting, reward_notes = _reward_bytes(cfg.rewards)

@@ -20,7 +20,7 @@ from diffusers import FluxPipeline, FluxTransformer2DModel
 from grpo import checkpoint as ckpt
 from grpo.config import load_config
 from grpo.data import EVAL_NOISE, initial_noise
-from grpo.flux import pack
+from grpo.models.flux1 import FLUX1
 from tests import ROOT, TINY
 from tests.recipe.launch import Run, max_abs_diff, tiny_run, torchrun, trained_weights
 from tools import export
@@ -72,7 +72,7 @@ def model(runs) -> str:
 
 @pytest.fixture(scope="module")
 def pipe(model):
-    return FluxPipeline.from_pretrained(model, torch_dtype=torch.float32)
+    return FluxPipeline.from_pretrained(model, dtype=torch.float32)
 
 
 def _diffusers_images(pipe: FluxPipeline, seed: int) -> torch.Tensor:
@@ -82,7 +82,7 @@ def _diffusers_images(pipe: FluxPipeline, seed: int) -> torch.Tensor:
     keys = range(len(PROMPTS) * SEEDS)
     noise = torch.stack([initial_noise((channels, size, size), seed, 0, j, EVAL_NOISE) for j in keys])
     with torch.no_grad():
-        return pipe(prompt=PROMPTS * SEEDS, latents=pack(noise), height=64, width=64, num_inference_steps=4,
+        return pipe(prompt=PROMPTS * SEEDS, latents=FLUX1.pack(noise), height=64, width=64, num_inference_steps=4,
                     guidance_scale=3.5, max_sequence_length=32, output_type="pt").images.float()
 
 
@@ -135,7 +135,7 @@ def test_ema_is_what_gets_exported(runs):
 def test_lora_fused_into_a_full_transformer(runs, evals, model, tmp_path):
     out = export.export(runs["lora"]["ckpt"], tmp_path / "fused", fmt="full")
     fused = FluxPipeline.from_pretrained(model, transformer=FluxTransformer2DModel.from_pretrained(str(out)),
-                                         torch_dtype=torch.float32)
+                                         dtype=torch.float32)
     got = _diffusers_images(fused, runs["lora"]["cfg"].seed)
     torch.testing.assert_close(got, evals["lora"]["images"]["checkpoint"], atol=1e-4, rtol=0)
 
@@ -146,7 +146,7 @@ def test_exported_full_transformer_reproduces_the_samples(runs, evals, model, tm
     expected = evals["full"]["images"]["checkpoint"]
     for folder in (out, r["dir"] / "final" / "transformer"):
         transformer = FluxTransformer2DModel.from_pretrained(str(folder))
-        p = FluxPipeline.from_pretrained(model, transformer=transformer, torch_dtype=torch.float32)
+        p = FluxPipeline.from_pretrained(model, transformer=transformer, dtype=torch.float32)
         torch.testing.assert_close(_diffusers_images(p, r["cfg"].seed), expected, atol=1e-5, rtol=0, msg=str(folder))
     assert sorted(q.name for q in out.iterdir()) == ["config.json", "diffusion_pytorch_model.safetensors"]
 

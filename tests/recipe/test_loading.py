@@ -51,11 +51,14 @@ def test_shape_and_key_mismatches_are_caught_before_any_collective(folders):
         fill_from_safetensors(extra, folder)  # raised on every rank before the first gather
 
 
-def test_loader_choice():
-    from grpo.flux import load_transformer
+def test_loader_choice(monkeypatch):
+    from grpo import loading
 
-    assert transformer_loader(False, {}) is load_transformer
-    assert transformer_loader(True, {}) is not load_transformer
+    monkeypatch.setattr(loading, "load_transformer_zero3", lambda path, dtype, ds: ("zero3", path, dtype, ds))
+    plain = transformer_loader(False, {})(str(TINY), torch.float32)
+    assert type(plain).__name__ == "FluxTransformer2DModel" and plain.dtype == torch.float32
+    assert transformer_loader(True, {"x": 1})(str(TINY), torch.bfloat16) == ("zero3", str(TINY), torch.bfloat16,
+                                                                              {"x": 1})
 
 
 def test_two_processes_load_the_same_weights_as_from_pretrained_and_lora_trains(folders, tmp_path):
@@ -65,7 +68,7 @@ def test_two_processes_load_the_same_weights_as_from_pretrained_and_lora_trains(
     report = json.loads(out.read_text())
     assert report["world"] == 2
     for name, r in report["folders"].items():
-        assert r["mismatched"] == [], name  # bit-identical to from_pretrained(torch_dtype=...)
+        assert r["mismatched"] == [], name  # bit-identical to from_pretrained(dtype=...)
         assert r["dtypes"] == (["torch.bfloat16"] if "bf16" in name else ["torch.float32"])
         assert r["local_numel"] <= r["full_numel"] / 2 + 1000  # each rank holds only its shard
         assert r["lora_params"] > 0 and r["lora_same_on_all_ranks"]

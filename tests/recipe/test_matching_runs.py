@@ -55,7 +55,7 @@ def test_resumed_run_ends_exactly_where_the_uninterrupted_one_does(runs):
 def test_lora_loads_in_flux_pipeline(runs):
     from diffusers import FluxPipeline
 
-    pipe = FluxPipeline.from_pretrained(str(TINY), torch_dtype=torch.float32)
+    pipe = FluxPipeline.from_pretrained(str(TINY), dtype=torch.float32)
 
     def image():
         return pipe("a red circle on a blue background", height=64, width=64, num_inference_steps=2,

@@ -37,7 +37,7 @@ def test_run_sh_trains_logs_and_exports(tmp_path, kind):
     assert (out / "config.yaml").is_file() and (out / "samples" / "step_00000.png").is_file()
     assert list((out / "tensorboard").iterdir())
 
-    pipe = FluxPipeline.from_pretrained(str(TINY), torch_dtype=torch.float32)
+    pipe = FluxPipeline.from_pretrained(str(TINY), dtype=torch.float32)
     if kind == "lora":
         pipe.load_lora_weights(str(out / "final" / "lora"))
         assert any("lora" in n for n, _ in pipe.transformer.named_parameters())

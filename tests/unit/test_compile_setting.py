@@ -6,7 +6,7 @@ import pytest
 
 from grpo.config import load_config
 from grpo.errors import ConfigError
-from grpo.flux import compile_blocks
+from grpo.models.blocks import compile_blocks
 from tests import ROOT, TINY
 
 PRESET = ROOT / "recipes/configs/tiny/awm_lora.yaml"

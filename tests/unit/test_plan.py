@@ -12,7 +12,7 @@ from benchmarks import zero3_memory as zm
 from benchmarks._common import build_transformer, transformer_config
 from grpo.config import load_config
 from grpo.errors import ConfigError
-from grpo.flux import checkpointed_blocks, enable_checkpointing
+from grpo.models.blocks import checkpointed_blocks, enable_checkpointing
 from tools import plan as P
 from tests import ROOT, TINY
 
@@ -206,11 +206,11 @@ class _StubVAE(torch.nn.Module):
 
 
 def test_an_offloaded_vae_visits_the_latents_device_only_while_decoding():
-    from grpo.flux import decode
+    from grpo.models.flux1 import FLUX1
 
     vae = _StubVAE()
-    decode(vae, torch.zeros(2, 16, 16), 32, 4)  # home device: nothing moves
+    FLUX1.decode(vae, torch.zeros(2, 16, 16), 32, 4)  # home device: nothing moves
     assert vae.moves == []
-    image = decode(vae, torch.zeros(2, 16, 16, device="meta"), 32, 4)  # latents elsewhere: there and back
+    image = FLUX1.decode(vae, torch.zeros(2, 16, 16, device="meta"), 32, 4)  # latents elsewhere: there and back
     assert vae.moves == [torch.device("meta"), torch.device("cpu")]
     assert image.shape == (2, 3, 32, 32)

@@ -5,9 +5,9 @@ import torch
 from diffusers import FluxPipeline
 
 from grpo.config import load_config
-from grpo.flux import decode, load_parts, make_conditioning, pack, velocity
+from grpo.models.flux1 import FLUX1
 from grpo.rollout import FluxSampler, SDEParams, sample, timestep, transition
-from grpo.sde import dynamic_sigmas, predicted_x0, sde_step, shifted_sigmas
+from grpo.sde import predicted_x0, sde_step, shifted_sigmas
 from grpo.solvers import dpm_solver_pp_sample, flash_sigmas
 from tests import ROOT, TINY
 
@@ -17,7 +17,7 @@ RES, STEPS = 64, 6
 
 @pytest.fixture(scope="module")
 def pipe():
-    return FluxPipeline.from_pretrained(str(TINY), torch_dtype=torch.float32)
+    return FluxPipeline.from_pretrained(str(TINY), dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -26,20 +26,20 @@ def inputs(pipe):
     prompts = ["a red circle on a blue background", "a green square on a yellow background", "a cyan triangle on a "
                "magenta background"]
     embeds, pooled, _ = pipe.encode_prompt(prompts, prompts, max_sequence_length=32)
-    parts = load_parts(str(TINY))
+    parts = FLUX1.load_parts(str(TINY))
     size = parts.latent_size(RES)
     noise = torch.randn(len(prompts), parts.transformer.config.in_channels // 4, size, size)
-    cond = make_conditioning(embeds, pooled, size, 3.5, True, torch.device("cpu"), torch.float32)
+    cond = FLUX1.conditioning({"prompt_embeds": embeds, "pooled": pooled}, size, 3.5, True, torch.device("cpu"), torch.float32)
     return parts, embeds, pooled, noise, cond
 
 
 def test_ode_rollout_reproduces_flux_pipeline(pipe, inputs):
     parts, embeds, pooled, noise, cond = inputs
-    expected = pipe(prompt_embeds=embeds, pooled_prompt_embeds=pooled, latents=pack(noise), height=RES, width=RES,
+    expected = pipe(prompt_embeds=embeds, pooled_prompt_embeds=pooled, latents=FLUX1.pack(noise), height=RES, width=RES,
                     num_inference_steps=STEPS, guidance_scale=3.5, output_type="pt").images
-    sigmas = dynamic_sigmas(STEPS, (parts.latent_size(RES) // 2) ** 2, parts.scheduler_config)
-    traj = sample(parts.transformer, cond, pack(noise), sigmas, SDEParams(0.0, "dance"))
-    ours = decode(parts.vae, traj.x0, RES, parts.vae_scale_factor)
+    sigmas = FLUX1.dynamic_sigmas(STEPS, (parts.latent_size(RES) // 2) ** 2, parts.scheduler_config)
+    traj = sample(FLUX1.velocity_of(parts.transformer), cond, FLUX1.pack(noise), sigmas, SDEParams(0.0, "dance"))
+    ours = FLUX1.decode(parts.vae, traj.x0, RES, parts.vae_scale_factor)
     assert ours.shape == expected.shape
     torch.testing.assert_close(ours, expected.float(), atol=1e-5, rtol=0)
     assert traj.log_probs is None
@@ -49,11 +49,11 @@ def test_ode_rollout_reproduces_flux_pipeline(pipe, inputs):
 def test_sde_trajectory_does_not_depend_on_its_batch(inputs, kind):
     """Each trajectory draws its own noise, so it is the same alone or in a batch (up to kernel rounding)."""
     parts, _, _, noise, cond = inputs
-    sigmas = dynamic_sigmas(STEPS, (parts.latent_size(RES) // 2) ** 2, parts.scheduler_config)
+    sigmas = FLUX1.dynamic_sigmas(STEPS, (parts.latent_size(RES) // 2) ** 2, parts.scheduler_config)
     sde = SDEParams(0.7, kind)
     gens = lambda ids: [torch.Generator().manual_seed(100 + i) for i in ids]  # noqa: E731
-    full = sample(parts.transformer, cond, pack(noise), sigmas, sde, gens([0, 1, 2]))
-    alone = sample(parts.transformer, cond.select(slice(1, 2)), pack(noise[1:2]), sigmas, sde, gens([1]))
+    full = sample(FLUX1.velocity_of(parts.transformer), cond, FLUX1.pack(noise), sigmas, sde, gens([0, 1, 2]))
+    alone = sample(FLUX1.velocity_of(parts.transformer), cond.select(slice(1, 2)), FLUX1.pack(noise[1:2]), sigmas, sde, gens([1]))
     torch.testing.assert_close(alone.latents[0], full.latents[1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(alone.log_probs[0], full.log_probs[1], atol=1e-5, rtol=1e-5)
 
@@ -61,12 +61,12 @@ def test_sde_trajectory_does_not_depend_on_its_batch(inputs, kind):
 def test_recomputed_log_prob_equals_rollout_log_prob_exactly(inputs):
     """Same micro-batch, same stored latents and timesteps: the update's log-prob is bit-identical."""
     parts, _, _, noise, cond = inputs
-    sigmas = dynamic_sigmas(STEPS, (parts.latent_size(RES) // 2) ** 2, parts.scheduler_config)
+    sigmas = FLUX1.dynamic_sigmas(STEPS, (parts.latent_size(RES) // 2) ** 2, parts.scheduler_config)
     sde = SDEParams(0.3, "dance")
-    traj = sample(parts.transformer, cond, pack(noise), sigmas, sde, [torch.Generator().manual_seed(i)
+    traj = sample(FLUX1.velocity_of(parts.transformer), cond, FLUX1.pack(noise), sigmas, sde, [torch.Generator().manual_seed(i)
                                                                           for i in range(3)])
     for j in range(STEPS - 1):
-        out = transition(parts.transformer, cond, traj.latents, sigmas, j, sde)
+        out = transition(FLUX1.velocity_of(parts.transformer), cond, traj.latents, sigmas, j, sde)
         assert torch.equal(out.log_prob, traj.log_probs[:, j])
 
 
@@ -82,24 +82,24 @@ def test_window_sdes_inside_and_euler_outside(inputs, kind):
     parts, _, _, noise, cond = inputs
     sigmas = shifted_sigmas(STEPS, 3.0)
     sde, win = SDEParams(0.7, kind), range(2, 4)
-    traj = sample(parts.transformer, cond, pack(noise), sigmas, sde, _gens(3), window=win)
-    ode = sample(parts.transformer, cond, pack(noise), sigmas, SDEParams(0.0, kind))
-    full = sample(parts.transformer, cond, pack(noise), sigmas, sde, _gens(3))
+    traj = sample(FLUX1.velocity_of(parts.transformer), cond, FLUX1.pack(noise), sigmas, sde, _gens(3), window=win)
+    ode = sample(FLUX1.velocity_of(parts.transformer), cond, FLUX1.pack(noise), sigmas, SDEParams(0.0, kind))
+    full = sample(FLUX1.velocity_of(parts.transformer), cond, FLUX1.pack(noise), sigmas, sde, _gens(3))
     assert torch.equal(traj.latents[:, : win.start + 1], ode.latents[:, : win.start + 1])
     assert not torch.equal(traj.latents[:, win.stop], ode.latents[:, win.stop])
     # Step 2 from the same x_2 with the same (3rd) noise draw as the full-SDE rollout's step 2:
-    redo = sde_step(traj.latents[:, 2], velocity(parts.transformer, traj.latents[:, 2],
+    redo = sde_step(traj.latents[:, 2], FLUX1.velocity(parts.transformer, traj.latents[:, 2],
                                                  timestep(sigmas, 2, 3), cond), float(sigmas[2]), float(sigmas[3]),
                     eta=0.7, kind=kind, noise=torch.stack([_noise_draw(200 + i, 2, noise.shape) for i in range(3)]),
                     sigma_max=float(sigmas[1]))
     assert torch.equal(redo.prev_sample, traj.latents[:, 3])
     for i in range(STEPS):
         if i in win:
-            out = transition(parts.transformer, cond, traj.latents, sigmas, i, sde)
+            out = transition(FLUX1.velocity_of(parts.transformer), cond, traj.latents, sigmas, i, sde)
             assert torch.equal(out.log_prob, traj.log_probs[:, i])
         else:
             assert (traj.log_probs[:, i] == 0).all()
-            v = velocity(parts.transformer, traj.latents[:, i], timestep(sigmas, i, 3), cond)
+            v = FLUX1.velocity(parts.transformer, traj.latents[:, i], timestep(sigmas, i, 3), cond)
             assert torch.equal(traj.latents[:, i + 1], traj.latents[:, i] + (sigmas[i + 1] - sigmas[i]) * v)
     assert traj.nfe == STEPS and full.nfe == STEPS
 
@@ -121,21 +121,21 @@ def test_dpm2_tail_after_the_window_and_recorded_means(inputs):
     sigmas = shifted_sigmas(STEPS, 3.0)
     sde, win = SDEParams(0.7, "flow"), range(0, 2)
     tail = flash_sigmas(sigmas, win[-1], 0.5, 3.0)[win[-1] + 1:]
-    traj = sample(parts.transformer, cond, pack(noise), sigmas, sde, _gens(3), window=win, tail=tail,
+    traj = sample(FLUX1.velocity_of(parts.transformer), cond, FLUX1.pack(noise), sigmas, sde, _gens(3), window=win, tail=tail,
                   keep_means=True)
     assert traj.latents.shape[1] == win[-1] + 2 and traj.nfe == win[-1] + 1 + len(tail) - 1 < STEPS
     assert float(tail[-1]) == 0.0 and float(tail[0]) == float(sigmas[win[-1] + 1])
     x_last = traj.latents[:, win[-1]]
-    x0_prev = predicted_x0(x_last, velocity(parts.transformer, x_last, timestep(sigmas, win[-1], 3), cond),
+    x0_prev = predicted_x0(x_last, FLUX1.velocity(parts.transformer, x_last, timestep(sigmas, win[-1], 3), cond),
                            float(sigmas[win[-1]]))
 
     def x0_of(x, k):
-        return predicted_x0(x, velocity(parts.transformer, x, timestep(tail, k, 3), cond), float(tail[k]))
+        return predicted_x0(x, FLUX1.velocity(parts.transformer, x, timestep(tail, k, 3), cond), float(tail[k]))
 
     expected = dpm_solver_pp_sample(traj.latents[:, -1], x0_of, tail, x0_prev=x0_prev, sigma_prev=float(sigmas[1]))
     assert torch.equal(traj.x0, expected)
     for j in win:
-        assert torch.equal(transition(parts.transformer, cond, traj.latents, sigmas, j, sde).mean, traj.means[:, j])
+        assert torch.equal(transition(FLUX1.velocity_of(parts.transformer), cond, traj.latents, sigmas, j, sde).mean, traj.means[:, j])
 
 
 def test_ode_rollouts_with_a_dpm2_tail_and_evals_on_the_schedule(inputs):
@@ -147,19 +147,19 @@ def test_ode_rollouts_with_a_dpm2_tail_and_evals_on_the_schedule(inputs):
     s = load_config(ROOT / "recipes/configs/tiny/nft_lora.yaml",
                     ["sampling.tail=dpm2", "sampling.compress_ratio=0.5"]).sampling
     sampler = FluxSampler.from_parts(parts, parts.vae, s, 42, torch.device("cpu"), torch.float32)
-    rollout = sampler.sample(parts.transformer, cond, pack(noise))
-    evaluated = sampler.sample(parts.transformer, cond, pack(noise), eta=0.0)
+    rollout = sampler.sample(parts.transformer, cond, FLUX1.pack(noise))
+    evaluated = sampler.sample(parts.transformer, cond, FLUX1.pack(noise), eta=0.0)
     sigmas = sampler.sigmas
-    euler = sample(parts.transformer, cond, pack(noise), sigmas, SDEParams(0.0, s.sde))
+    euler = sample(FLUX1.velocity_of(parts.transformer), cond, FLUX1.pack(noise), sigmas, SDEParams(0.0, s.sde))
     assert torch.equal(evaluated.x0, euler.x0) and evaluated.nfe == STEPS
     tail = flash_sigmas(sigmas, 0, 0.5, 3.0)[1:]
     assert rollout.nfe == len(tail) == 3 and rollout.log_probs is None
     assert torch.equal(rollout.latents[:, 1], euler.latents[:, 1])
-    x0_first = predicted_x0(pack(noise), velocity(parts.transformer, pack(noise), timestep(sigmas, 0, 3), cond),
+    x0_first = predicted_x0(FLUX1.pack(noise), FLUX1.velocity(parts.transformer, FLUX1.pack(noise), timestep(sigmas, 0, 3), cond),
                             float(sigmas[0]))
 
     def x0_of(x, k):
-        return predicted_x0(x, velocity(parts.transformer, x, timestep(tail, k, 3), cond), float(tail[k]))
+        return predicted_x0(x, FLUX1.velocity(parts.transformer, x, timestep(tail, k, 3), cond), float(tail[k]))
 
     expected = dpm_solver_pp_sample(euler.latents[:, 1], x0_of, tail, x0_prev=x0_first, sigma_prev=float(sigmas[0]))
     assert torch.equal(rollout.x0, expected)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo.config import load_config
-from grpo.flux import load_parts, make_conditioning, pack
+from grpo.models.flux1 import FLUX1
 from grpo.objectives import OBJECTIVES
 from grpo.rollout import FluxSampler
 from grpo.rollout_plan import RolloutPlan
@@ -42,7 +42,7 @@ class CountingModel(torch.nn.Module):
 def parts():
     if not (TINY / "model_index.json").exists():
         pytest.skip("tiny model not built")
-    return load_parts(str(TINY))
+    return FLUX1.load_parts(str(TINY))
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -52,15 +52,15 @@ def test_the_plans_rollout_cost_is_the_samplers_calls(parts, name):
     plan = RolloutPlan.of(cfg)
     sampler = FluxSampler.from_parts(parts, parts.vae, cfg.sampling, cfg.seed, torch.device("cpu"), torch.float32)
     size = sampler.latent_size
-    cond = make_conditioning(torch.zeros(1, 32, parts.transformer.config.joint_attention_dim),
-                             torch.zeros(1, parts.transformer.config.pooled_projection_dim), size, 3.5, True,
-                             torch.device("cpu"), torch.float32)
+    embeds = {"prompt_embeds": torch.zeros(1, 32, parts.transformer.config.joint_attention_dim),
+              "pooled": torch.zeros(1, parts.transformer.config.pooled_projection_dim)}
+    cond = FLUX1.conditioning(embeds, size, 3.5, True, torch.device("cpu"), torch.float32)
     model = CountingModel(parts.transformer)
     for step in (0, 7):
         window = plan.window(step)
         model.calls = 0
         gens = [torch.Generator().manual_seed(1)]
-        traj = sampler.sample(model, cond, pack(torch.randn(1, sampler.latent_channels, size, size)), gens, window)
+        traj = sampler.sample(model, cond, FLUX1.pack(torch.randn(1, sampler.latent_channels, size, size)), gens, window)
         assert model.calls == traj.nfe == plan.rollout_calls(window), name
         trained = plan.trained(step, window, first_id=0)
         assert len(trained) == plan.trained_per_trajectory

@@ -10,9 +10,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from grpo.errors import ConfigError
+from grpo.models.flux1 import FLUX1
 from grpo.sde import (
     StepOut,
-    dynamic_sigmas,
     gaussian_log_prob,
     kl_same_std,
     predicted_x0,
@@ -93,7 +93,7 @@ def test_shifted_sigmas_bad_settings():
 
 @pytest.mark.parametrize("n,seq_len", [(6, 16), (16, 2025), (28, 4096), (10, 1024)])
 def test_dynamic_sigmas_is_static_shift_with_exp_mu(n, seq_len):
-    s = dynamic_sigmas(n, seq_len, FLUX_SCHEDULER)
+    s = FLUX1.dynamic_sigmas(n, seq_len, FLUX_SCHEDULER)
     assert s.dtype == torch.float32 and s.shape == (n + 1,) and s[-1].item() == 0.0
     assert bool((s[1:] < s[:-1]).all())
     m = (1.15 - 0.5) / (4096 - 256)
@@ -103,7 +103,7 @@ def test_dynamic_sigmas_is_static_shift_with_exp_mu(n, seq_len):
 
 def test_dynamic_sigmas_known_values():
     # 1024² image: L = 4096 -> mu = 1.15, s = e^1.15 ≈ 3.158 (diffusers pipeline_flux.py calculate_shift).
-    s = dynamic_sigmas(4, 4096, FLUX_SCHEDULER)
+    s = FLUX1.dynamic_sigmas(4, 4096, FLUX_SCHEDULER)
     e = math.exp(1.15)
     ref = [e * u / (1 + (e - 1) * u) for u in (1.0, 0.75, 0.5, 0.25)] + [0.0]
     torch.testing.assert_close(s, torch.tensor(ref), atol=1e-6, rtol=0)
@@ -116,7 +116,7 @@ def test_ode_step_equals_diffusers_euler_step():
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     n, seq = 6, 32
-    sigmas = dynamic_sigmas(n, seq, FLUX_SCHEDULER)
+    sigmas = FLUX1.dynamic_sigmas(n, seq, FLUX_SCHEDULER)
     sched = FlowMatchEulerDiscreteScheduler.from_config(FLUX_SCHEDULER)
     mu = 0.5 + (seq - 256) * 0.65 / 3840
     sched.set_timesteps(sigmas=[1.0 - i * (1.0 - 1 / n) / (n - 1) for i in range(n)], mu=mu)
@@ -298,7 +298,7 @@ def test_no_float64_tensors_produced():
     rec = _DtypeRecorder()
     with rec:
         s = shifted_sigmas(8, 3.0)
-        dynamic_sigmas(8, 64, FLUX_SCHEDULER)
+        FLUX1.dynamic_sigmas(8, 64, FLUX_SCHEDULER)
         for kind in ("dance", "flow"):
             out = sde_step(x, v, s[0].item(), s[1].item(), eta=0.7, kind=kind, noise=noise, sigma_max=s[1].item())
             sde_step(x, v, s[2], s[3], eta=0.7, kind=kind, prev_sample=out.prev_sample)

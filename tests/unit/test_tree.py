@@ -6,10 +6,10 @@ import torch
 
 from grpo.config import load_config
 from grpo.errors import ConfigError
-from grpo.flux import load_parts, make_conditioning, pack, velocity
+from grpo.models.flux1 import FLUX1
 from grpo.layout import derive_layout
 from grpo.rollout import SDEParams, sample, timestep, transition
-from grpo.sde import dynamic_sigmas, gaussian_log_prob, sde_mean_std
+from grpo.sde import gaussian_log_prob, sde_mean_std
 from grpo.tree import Tree, depth_advantages
 from tests import ROOT, TINY
 
@@ -74,16 +74,17 @@ def test_depth_advantages_match_the_source(tree):
 def tiny():
     if not (TINY / "model_index.json").exists():
         pytest.skip("tiny model not built")
-    parts = load_parts(str(TINY))
+    parts = FLUX1.load_parts(str(TINY))
     size = parts.latent_size(64)
     torch.manual_seed(1)
     embeds, pooled = torch.randn(2, 8, parts.transformer.config.joint_attention_dim), torch.randn(2, 32)
     rows = [0, 0, 0, 0, 1, 1, 1, 1]  # two trees of 4 leaves, one prompt each
-    cond = make_conditioning(embeds[rows], pooled[rows][:, :parts.transformer.config.pooled_projection_dim], size,
-                             3.5, True, torch.device("cpu"), torch.float32)
+    pooled = pooled[rows][:, :parts.transformer.config.pooled_projection_dim]
+    cond = FLUX1.conditioning({"prompt_embeds": embeds[rows], "pooled": pooled}, size, 3.5, True,
+                              torch.device("cpu"), torch.float32)
     roots = torch.randn(2, parts.transformer.config.in_channels // 4, size, size)
-    sigmas = dynamic_sigmas(6, (size // 2) ** 2, parts.scheduler_config)
-    return parts.transformer, cond, pack(roots[rows]), sigmas
+    sigmas = FLUX1.dynamic_sigmas(6, (size // 2) ** 2, parts.scheduler_config)
+    return parts.transformer, cond, FLUX1.pack(roots[rows]), sigmas
 
 
 def _gens():
@@ -95,10 +96,10 @@ def test_tree_rollout_is_the_tree_computed_row_by_row(tiny):
     siblings are identical until their split and differ after it."""
     model, cond, init, sigmas = tiny
     sde = SDEParams(0.7, "dance")
-    traj = sample(model, cond, init, sigmas, sde, _gens(), tree=TREE)
+    traj = sample(FLUX1.velocity_of(model), cond, init, sigmas, sde, _gens(), tree=TREE)
     gens, x = _gens(), init.clone()
     for i in range(6):
-        v = velocity(model, x, timestep(sigmas, i, 8), cond)
+        v = FLUX1.velocity(model, x, timestep(sigmas, i, 8), cond)
         mean, std = sde_mean_std(x, v, float(sigmas[i]), float(sigmas[i + 1]), eta=0.7, kind="dance",
                                  sigma_max=float(sigmas[1]))
         heads = TREE.heads(8, i + 1).tolist()  # each node's noise comes from its first row's generator
@@ -120,9 +121,9 @@ def test_tree_update_recomputes_the_rollout_log_prob_exactly(tiny):
     """One row per edge, from one model call per node, as in the rollout: the first-pass ratio is exactly 1."""
     model, cond, init, sigmas = tiny
     sde = SDEParams(0.7, "dance")
-    traj = sample(model, cond, init, sigmas, sde, _gens(), tree=TREE)
+    traj = sample(FLUX1.velocity_of(model), cond, init, sigmas, sde, _gens(), tree=TREE)
     for j in TREE.trained():
-        out = transition(model, cond, traj.latents, sigmas, j, sde, TREE)
+        out = transition(FLUX1.velocity_of(model), cond, traj.latents, sigmas, j, sde, TREE)
         edges = TREE.heads(8, j + 1)
         assert out.log_prob.shape == (len(edges),)
         assert torch.equal(out.log_prob, traj.log_probs[edges, j])

@@ -1,0 +1,199 @@
+"""What a model family is to the trainer: one small interface, implemented once per family (grpo/models/flux1.py,
+grpo/models/flux2.py).
+
+The recipe, the sampler, eval, export, the planner and the tools reach diffusers' model classes only through a
+:class:`ModelFamily`; the family of a model folder comes from its ``model_index.json`` (grpo.models.family_of).
+What stays here is what the families share: their transformers are double-stream blocks then single-stream blocks
+(``transformer_blocks``, ``single_transformer_blocks``), so block fetching, checkpointing and regional compilation
+are written once.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+from grpo import sde
+
+
+@dataclass
+class Conditioning:
+    """Transformer inputs that do not change along a trajectory, in the family's own layout."""
+
+    prompt_embeds: torch.Tensor  # [B, L, D]
+    txt_ids: torch.Tensor  # [L, 3] (FLUX.1) or [L, 4] (FLUX.2: T, H, W, L)
+    img_ids: torch.Tensor  # [S, 3] or [S, 4]
+    guidance: torch.Tensor | None  # [B] float32; None for models without a guidance embedding
+    pooled: torch.Tensor | None = None  # [B, Dp]: FLUX.1's CLIP pooled projection; FLUX.2 has none
+
+    def select(self, rows: slice | torch.Tensor) -> "Conditioning":
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[rows]
+
+        return replace(self, prompt_embeds=self.prompt_embeds[rows], guidance=pick(self.guidance),
+                       pooled=pick(self.pooled))
+
+
+@dataclass
+class Parts:
+    """The pieces of a pipeline the trainer needs (text encoders are not among them)."""
+
+    family: "ModelFamily"
+    transformer: torch.nn.Module
+    vae: torch.nn.Module
+    scheduler_config: dict
+    vae_scale_factor: int
+
+    def latent_size(self, resolution: int) -> int:
+        """Side of the VAE latent grid before 2x2 packing; the pipelines' prepare_latents arithmetic."""
+        return 2 * (resolution // (self.vae_scale_factor * 2))
+
+
+@functools.cache
+def _postprocess():
+    from diffusers.image_processor import VaeImageProcessor
+
+    return VaeImageProcessor(do_normalize=True)
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One family of pipelines: FLUX.1 (FluxPipeline) or FLUX.2 (Flux2Pipeline, Flux2KleinPipeline).
+
+    Attributes:
+        name: the family's name in logs, errors and checkpoints' meta.json.
+        pipelines: the ``model_index.json`` ``_class_name`` values it serves.
+        text_folders: subfolders of the text encoders (their file stats key the prompt-embedding cache).
+        embed_keys: the tensors one prompt's cache entry holds.
+    """
+
+    name: str
+    pipelines: tuple[str, ...]
+    text_folders: tuple[str, ...]
+    embed_keys: tuple[str, ...]
+
+    # -- loading ------------------------------------------------------------------------------------------------
+    def transformer_class(self) -> type:
+        raise NotImplementedError
+
+    def vae_class(self) -> type:
+        raise NotImplementedError
+
+    def pipeline_class(self) -> type:
+        """The diffusers pipeline of this family's folders (its prompt encoding, static helpers, LoRA format)."""
+        import diffusers
+
+        return getattr(diffusers, self.pipelines[0])
+
+    def load_transformer(self, path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+        return self.transformer_class().from_pretrained(path, subfolder="transformer", dtype=dtype)
+
+    def meta_transformer(self, model_path: str) -> torch.nn.Module:
+        """The transformer built from its config.json on the meta device (no weights): LoRA target checks."""
+        cls = self.transformer_class()
+        config = cls.load_config(Path(model_path) / "transformer")
+        with torch.device("meta"):
+            return cls.from_config(config)
+
+    def load_parts(self, path: str, vae_dtype: torch.dtype = torch.float32,
+                   transformer_dtype: torch.dtype = torch.float32,
+                   transformer_loader: Callable[[str, torch.dtype], torch.nn.Module] | None = None) -> Parts:
+        """The transformer (to be handed to DeepSpeed), the frozen VAE and the scheduler config.
+
+        `transformer_loader(path, dtype)`: from_pretrained by default; grpo.loading.transformer_loader gives the
+        sharded (zero.Init) one.
+        """
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        transformer = (transformer_loader or self.load_transformer)(path, transformer_dtype)
+        vae = self.vae_class().from_pretrained(path, subfolder="vae", dtype=vae_dtype)
+        vae.requires_grad_(False).eval()
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
+        vsf = 2 ** (len(vae.config.block_out_channels) - 1)
+        return Parts(self, transformer, vae, dict(scheduler.config), vsf)
+
+    # -- prompts ------------------------------------------------------------------------------------------------
+    def encode_prompts(self, model_path: str, prompts: list[str], max_sequence_length: int, device: torch.device,
+                       batch_size: int = 64, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """The pipeline's own prompt encoding of `prompts`: float32 CPU tensors named by `embed_keys`, [P, ...]."""
+        raise NotImplementedError
+
+    # -- latents, conditioning, the transformer call ------------------------------------------------------------
+    def noise_shape(self, latent_channels: int, latent_size: int) -> tuple[int, ...]:
+        """The shape of one sample's starting noise as the pipeline draws it (before packing)."""
+        raise NotImplementedError
+
+    def latent_channels(self, transformer_config) -> int:
+        """Channels of the VAE latent (before packing) the transformer works on."""
+        return transformer_config.in_channels // 4
+
+    def pack(self, latents: torch.Tensor) -> torch.Tensor:
+        """The pipeline's starting noise [B, ...] -> the transformer's tokens [B, S, C]."""
+        raise NotImplementedError
+
+    def conditioning(self, embeds: dict[str, torch.Tensor], latent_size: int, guidance: float,
+                     guidance_embeds: bool, device: torch.device, dtype: torch.dtype) -> Conditioning:
+        raise NotImplementedError
+
+    def velocity(self, model: torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor,
+                 cond: Conditioning) -> torch.Tensor:
+        """One transformer call with the pipeline's argument conventions; returns float32 velocity [B, S, C].
+
+        `timestep` is sigma (diffusers multiplies by 1000 inside); `latents` float32, cast to the model's dtype.
+        """
+        raise NotImplementedError
+
+    def velocity_of(self, model: torch.nn.Module):
+        """:meth:`velocity` bound to `model`: the ``(x, timestep, cond) -> v`` the sampler calls."""
+        return functools.partial(self.velocity, model)
+
+    def to_vae_latents(self, vae: torch.nn.Module, packed: torch.Tensor, resolution: int,
+                       vae_scale_factor: int) -> torch.Tensor:
+        """Packed clean latents -> the VAE decoder's input [B, C, h, w] (unpacked, de-normalised)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def decode(self, vae: torch.nn.Module, packed: torch.Tensor, resolution: int,
+               vae_scale_factor: int) -> torch.Tensor:
+        """Packed latents -> images [B, 3, H, W] in [0, 1], exactly as the pipeline (output_type="pt") decodes."""
+        latents = self.to_vae_latents(vae, packed, resolution, vae_scale_factor)
+        home = next(vae.parameters()).device
+        if home != packed.device:  # an offloaded VAE (model.offload_vae) visits the device for this call only
+            vae.to(packed.device)
+        try:
+            image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+        finally:
+            if home != packed.device:
+                vae.to(home)
+        return _postprocess().postprocess(image, output_type="pt").float()
+
+    def example_inputs(self, config: dict, batch: int, image_tokens: int, text_tokens: int, dtype: torch.dtype,
+                       device: torch.device | str = "meta") -> dict:
+        """Keyword arguments of one transformer call with :meth:`velocity`'s shapes (the planner traces them)."""
+        raise NotImplementedError
+
+    # -- the schedule ---------------------------------------------------------------------------------------------
+    def shift_mu(self, image_seq_len: int, num_steps: int, scheduler_config: dict) -> float:
+        """The pipeline's dynamic time-shift parameter mu for `image_seq_len` packed tokens."""
+        raise NotImplementedError
+
+    def dynamic_sigmas(self, num_steps: int, image_seq_len: int, scheduler_config: dict) -> torch.Tensor:
+        """The sigma schedule [num_steps + 1] the family's pipeline samples with (its dynamic shift)."""
+        return sde.dynamic_sigmas(num_steps, self.shift_mu(image_seq_len, num_steps, scheduler_config),
+                                  scheduler_config)
+
+    # -- export ---------------------------------------------------------------------------------------------------
+    def save_lora(self, out_dir: str | Path, state: dict[str, torch.Tensor], metadata: dict) -> None:
+        """A diffusers LoRA file (pytorch_lora_weights.safetensors) for the pipeline's load_lora_weights."""
+        self.pipeline_class().save_lora_weights(
+            str(out_dir), transformer_lora_layers={k: v.contiguous() for k, v in state.items()},
+            transformer_lora_adapter_metadata=metadata, safe_serialization=True)
+
+    # -- blocks: ZeRO-3 fetching, checkpointing, compilation --------------------------------------------------
+    @staticmethod
+    def blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+        """The repeated blocks in execution order: double-stream blocks, then single-stream blocks."""
+        return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]

@@ -1,0 +1,107 @@
+"""FLUX.2 (Flux2KleinPipeline: [klein] 4B/9B with a Qwen3 text encoder; Flux2Pipeline: [dev] 32B with Mistral-Small):
+prompts as a stack of the text encoder's intermediate hidden states, 2x2-patchified latents normalised by the VAE's
+batch-norm statistics, 4-axis RoPE ids (T, H, W, L), FLUX.2's empirical time shift; a guidance embedding in [dev]
+only ([klein] is called with guidance=None).
+
+All of it is the pipelines' own code (their static helpers, encode_prompt, compute_empirical_mu), so the sampler
+reproduces Flux2KleinPipeline from the same noise and embeddings.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo.models.base import Conditioning, ModelFamily
+
+
+class Flux2(ModelFamily):
+    def transformer_class(self) -> type:
+        from diffusers import Flux2Transformer2DModel
+
+        return Flux2Transformer2DModel
+
+    def vae_class(self) -> type:
+        from diffusers import AutoencoderKLFlux2
+
+        return AutoencoderKLFlux2
+
+    @torch.no_grad()
+    def encode_prompts(self, model_path, prompts, max_sequence_length, device, batch_size=64, dtype=torch.float32):
+        """The pipeline's encode_prompt (klein: Qwen3 chat template, hidden states of layers 9, 18, 27 stacked)."""
+        pipe = self.pipeline_class().from_pretrained(model_path, transformer=None, vae=None, dtype=dtype)
+        pipe.text_encoder.to(device)
+        embeds = []
+        for i in range(0, len(prompts), batch_size):
+            chunk = prompts[i : i + batch_size]
+            e, _ = pipe.encode_prompt(chunk, device=device, max_sequence_length=max_sequence_length)
+            embeds.append(e.float().cpu())
+        del pipe
+        return {"prompt_embeds": torch.cat(embeds)}
+
+    def noise_shape(self, latent_channels: int, latent_size: int) -> tuple[int, ...]:
+        # Flux2 pipelines draw the noise already patchified: [4C, h/2, w/2] (prepare_latents).
+        return (4 * latent_channels, latent_size // 2, latent_size // 2)
+
+    def pack(self, latents: torch.Tensor) -> torch.Tensor:
+        """[B, 4C, h/2, w/2] -> [B, (h/2)(w/2), 4C] (Flux2 pipelines' _pack_latents)."""
+        return self.pipeline_class()._pack_latents(latents)
+
+    def image_ids(self, latent_size: int, device: torch.device) -> torch.Tensor:
+        """[S, 4] (T, H, W, L) positions of the packed image tokens (_prepare_latent_ids), int64 as the pipeline's."""
+        grid = torch.empty(1, 1, latent_size // 2, latent_size // 2)
+        return self.pipeline_class()._prepare_latent_ids(grid)[0].to(device)
+
+    def conditioning(self, embeds, latent_size, guidance, guidance_embeds, device, dtype) -> Conditioning:
+        prompt_embeds = embeds["prompt_embeds"]
+        return Conditioning(
+            prompt_embeds=prompt_embeds.to(device=device, dtype=dtype),
+            txt_ids=self.pipeline_class()._prepare_text_ids(prompt_embeds[:1])[0].to(device),
+            img_ids=self.image_ids(latent_size, device),
+            # Flux2Pipeline ([dev]) builds guidance in float32; Flux2KleinPipeline passes None.
+            guidance=(torch.full((len(prompt_embeds),), guidance, device=device, dtype=torch.float32)
+                      if guidance_embeds else None),
+        )
+
+    def velocity(self, model, latents, timestep, cond) -> torch.Tensor:
+        dtype = cond.prompt_embeds.dtype
+        out = model(
+            hidden_states=latents.to(dtype),
+            timestep=timestep.to(dtype),
+            guidance=cond.guidance,
+            encoder_hidden_states=cond.prompt_embeds,
+            txt_ids=cond.txt_ids,
+            img_ids=cond.img_ids,
+            return_dict=False,
+        )[0]
+        return out.float()
+
+    def example_inputs(self, config, batch, image_tokens, text_tokens, dtype, device="meta") -> dict:
+        t = lambda *shape, dt=dtype: torch.randn(*shape, device=device).to(dt)  # noqa: E731
+        ids = lambda n: torch.zeros(n, 4, device=device, dtype=torch.int64)  # noqa: E731
+        return dict(hidden_states=t(batch, image_tokens, config["in_channels"]),
+                    encoder_hidden_states=t(batch, text_tokens, config["joint_attention_dim"]), timestep=t(batch),
+                    guidance=t(batch, dt=torch.float32) if config.get("guidance_embeds", True) else None,
+                    img_ids=ids(image_tokens), txt_ids=ids(text_tokens), return_dict=False)
+
+    def to_vae_latents(self, vae, packed, resolution, vae_scale_factor) -> torch.Tensor:
+        """Scatter the tokens back by their ids, undo the batch-norm normalisation, unpatchify (the pipeline's end)."""
+        pipe = self.pipeline_class()
+        side = 2 * (resolution // (vae_scale_factor * 2)) // 2
+        ids = self.image_ids(2 * side, packed.device).expand(len(packed), -1, -1)
+        latents = pipe._unpack_latents_with_ids(packed, ids, side, side)
+        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(latents.device,
+                                                                                              latents.dtype)
+        return pipe._unpatchify_latents(latents * std + mean)
+
+    def shift_mu(self, image_seq_len: int, num_steps: int, scheduler_config: dict) -> float:
+        """FLUX.2's empirical mu (compute_empirical_mu): fitted to the token count and the number of steps."""
+        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+        return compute_empirical_mu(image_seq_len=image_seq_len, num_steps=num_steps)
+
+
+FLUX2_KLEIN = Flux2(name="flux2", pipelines=("Flux2KleinPipeline",), text_folders=("text_encoder",),
+                    embed_keys=("prompt_embeds",))
+FLUX2_DEV = Flux2(name="flux2", pipelines=("Flux2Pipeline",), text_folders=("text_encoder",),
+                  embed_keys=("prompt_embeds",))
