@@ -8,7 +8,7 @@ import torch
 from benchmarks._common import transformer_config, write_model_folder
 from grpo.errors import ConfigError
 from grpo.loading import _check_shapes, _fill_units, checkpoint_files, fill_from_safetensors, transformer_loader
-from tests import ROOT
+from tests import ROOT, TINY
 from tools.launch import run_torchrun
 
 
