@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from benchmarks._common import (ROOT, engine_state_bytes, hwm, live_tensor_bytes, mb, reset_peak_rss, rss,  # noqa: E402
                                 transformer_config, write_model_folder)
 from tools._recipe import load_recipe  # noqa: E402
-from tools.launch import run_torchrun  # noqa: E402
+from tools.launch import launch_env, run_torchrun  # noqa: E402
 
 FULL, LORA = "recipes/configs/tiny/grpo_full.yaml", "recipes/configs/tiny/grpo_lora.yaml"
 DS_FP32 = "ds_configs/zero3_fp32.json"
@@ -247,7 +247,7 @@ def measure_activations(preset: str, batch: int, resolution: int, lora: bool, ch
            "--resolution", str(resolution), "--checkpointing", json.dumps(checkpointing), "--out", str(out)]
     if lora:
         cmd.append("--lora")
-    env = {**os.environ, **ACT_ENV, "PYTHONPATH": str(ROOT)}
+    env = launch_env(ACT_ENV, accelerator=None, unbuffered=False)
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])

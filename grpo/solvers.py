@@ -47,7 +47,7 @@ def flash_sigmas(sigmas: Tensor, last_sde: int, compress_ratio: float, shift: fl
 
     Args:
         sigmas: [T + 1] float32 original schedule, 1 -> 0, built with a static shift (grpo.sde.shifted_sigmas);
-            for diffusers' dynamic shift pass shift = exp(mu) (the same static shift, see tests/test_sde.py).
+            for diffusers' dynamic shift pass shift = exp(mu) (the same static shift, see tests/unit/test_sde.py).
         last_sde: L, the window's last SDE step (window[-1]); every step after it is a tail step.
         compress_ratio: r (MixGRPO-Flash 0.4, Flash* 0.2).
         shift: the schedule's static shift s (MixGRPO: 3).

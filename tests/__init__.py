@@ -1,5 +1,6 @@
-"""Tests in two tiers: unit/ (in-process, fast) and recipe/ (real runs through torchrun, launch/*.sh or the CLIs;
-their one launch helper is tests/recipe/launch.py)."""
+"""Tests in two tiers: unit/ (in-process, fast; unit/test_tiers.py checks that none starts a process) and recipe/
+(everything that starts one: real runs through torchrun, launch/*.sh or the CLIs, fresh interpreters, bash; their one
+launch helper is tests/recipe/launch.py)."""
 
 import os
 from pathlib import Path

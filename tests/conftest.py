@@ -1,5 +1,5 @@
 """Test-wide settings and fixtures: never touch a model hub, use DeepSpeed's CPU accelerator when no device is present,
-tiny reward model files built once per session."""
+the time limit of slow tests, tiny reward model files built once per session."""
 
 import importlib.util
 import os
@@ -23,6 +23,17 @@ if importlib.util.find_spec("torch_npu") is None:
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+# The per-test limit of slow tests: their chains of runs set subprocess limits of up to 40 min (the whole device check
+# on the CPU), far above pytest.ini's 1200 s for the default set.
+SLOW_TIMEOUT_S = 3600
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Slow tests get SLOW_TIMEOUT_S instead of pytest.ini's timeout, unless they set @pytest.mark.timeout."""
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
 
 
 @pytest.fixture(scope="session")

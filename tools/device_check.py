@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tools.launch import launch_env
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "recipes/configs/tiny/grpo_lora.yaml"
 # A step of 2 prompts x 2 images over 3 denoising steps: seconds on a device, about a minute on 2 CPU cores.
@@ -166,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out = args.out.resolve()  # the parts run from the repository root
     args.out.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(DS_ACCELERATOR=kind, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    # Each part is a plain process on `kind` (no surrounding job's ranks) with the machine's own thread count.
+    env = launch_env(accelerator=kind, job=False, threads=None)
     # The CPU is far slower than any accelerator: the plumbing check scales every limit
     scale = CPU_SCALE if kind == "cpu" else 1
     budget = args.budget_s * scale

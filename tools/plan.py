@@ -30,7 +30,7 @@ Per device it counts:
 
 The peak is the largest phase (rollout, decode, reward, reference, update, optimizer step) on top of what stays
 resident. Predictions were checked against measurements on small models (benchmarks/zero3_memory.py,
-tests/test_plan.py): model states exact to 0.1%, update activations within a few percent (see RESULTS.md).
+tests/recipe/test_plan.py): model states exact to 0.1%, update activations within a few percent (see RESULTS.md).
 """
 
 from __future__ import annotations

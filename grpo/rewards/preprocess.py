@@ -12,7 +12,7 @@ Each function mirrors one project's reference pipeline on float images in [0, 1]
 Resizing uses `F.interpolate(..., antialias=True)`: its bicubic filter is Keys' a = -0.5 with the kernel widened by
 the downscale factor, the filter PIL uses, so it matches PIL and torchvision's tensor resize. PIL-based references
 also clamp to [0, 255] and round to uint8 after resizing; `clamp=True` reproduces the clamp (the rounding, at most
-half a grey level, is not reproduced). Measured differences are in tests/test_rewards_preprocess.py.
+half a grey level, is not reproduced). Measured differences are in tests/unit/test_rewards_preprocess.py.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ tools.launch.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -72,11 +71,9 @@ def run_recipe(config: str, overrides: list[str], nproc: int, timeout: int = 600
 
 def script_env(extra: dict | None = None) -> dict:
     """The environment for launch/*.sh and plain recipe processes: this one without a surrounding job's rank and
-    launcher variables, one thread per process, the repository importable, no model hub."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC", "NNODES", "NODE_RANK"):
-        env.pop(k, None)
-    return {**env, **(extra or {})}
+    launcher variables (the scripts start their own job), one thread per process, the repository importable, no model
+    hub; DS_ACCELERATOR as it is here (the scripts pick the device when it is unset). tools.launch.launch_env."""
+    return launch_env(extra, accelerator=None, job=False, unbuffered=False)
 
 
 def run_script(script: str, args: list[str], *, extra_env: dict | None = None,

@@ -1,6 +1,6 @@
 """Driver for the distributed recipe tests: one GRPO step of the real recipe, then a dump of what tests compare.
 
-Run under torchrun: python tests/one_step.py OUT.pt --config CONFIG [key=value ...]
+Run under torchrun: python tests/recipe/one_step.py OUT.pt --config CONFIG [key=value ...]
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ checks the planner's model states against the measured ones.
 """
 
 import math
-import os
 import re
 import subprocess
 import sys
@@ -13,11 +12,11 @@ import sys
 import pytest
 
 from tests import ROOT
+from tools.launch import launch_env
 
 
 def run(script: str, *args: str, timeout: int = 900) -> list[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu",
-           "OMP_NUM_THREADS": "1"}
+    env = launch_env(unbuffered=False)  # the CPU accelerator, one thread per process
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -1,7 +1,7 @@
 """launch/multinode.sh hostfile form (the DeepSpeed launcher, through tools/deepspeed_run.py): the workers' exit codes
 2 and 3 reach the caller with one error line, and SIGTERM to the script reaches the workers, which save and exit 0.
 
-Stand-in workers (tests/unit/test_torchrun.py's; the recipe's own stop is tested through launch/run.sh in
+Stand-in workers (tests/recipe/test_torchrun.py's; the recipe's own stop is tested through launch/run.sh in
 tests/recipe/test_bad_input_launch.py). One node: a localhost hostfile, which DeepSpeed runs without pdsh after its
 ssh check (a fake `ssh`). Two nodes: the fake pdsh of tests/recipe/test_multinode_env.py, which runs each node's
 command here with an empty environment.
@@ -22,7 +22,7 @@ import pytest
 from tests import ROOT, TINY
 from tests.recipe.launch import script_env
 from tests.recipe.test_multinode_env import fake_remote_tools
-from tests.unit.test_torchrun import WORKER
+from tests.recipe.test_torchrun import WORKER
 from tools.launch import free_port
 
 pytestmark = pytest.mark.slow  # each case starts the DeepSpeed launcher and its workers (30-70 s on 2 busy cores)

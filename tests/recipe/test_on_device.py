@@ -8,7 +8,8 @@ Run on a 910B machine (CANN sourced, torch + torch_npu from requirements-npu.txt
 or everything a lent accelerator should show (these tests, a tiny run, alignment against the CPU, the benchmark) in one
 command: bash launch/device_check.sh OUT_DIR (tools/device_check.py).
 
-Each check runs in a subprocess, so DeepSpeed binds to the device there whatever the test process already chose.
+Each check runs in a subprocess, so DeepSpeed binds to the device there whatever the test process already chose; its
+environment (tools.launch.launch_env) drops a surrounding job's rank variables and keeps this process's thread count.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import subprocess
 import sys
 import textwrap
@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from tools.device_check import BLOCK_REL_MAX, PSNR_MIN, RATIO_MAX, REWARD_REL_MAX, worst_block
+from tools.launch import launch_env
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "assets" / "tiny-flux" / "model_index.json"
@@ -57,8 +58,7 @@ KINDS = [
 
 
 def _run(code: str, kind: str, timeout: float = 600) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(DS_ACCELERATOR=kind, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+    env = launch_env(accelerator=kind, job=False, threads=None, unbuffered=False)
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -136,8 +136,7 @@ def test_tiny_flux_matches_cpu_and_attention_backends_agree(kind: str):
 def _tiny_recipe(kind: str, tmp_path: Path, *overrides: str) -> Path:
     """Two bf16 steps of the tiny LoRA preset on the device, one process; returns its output_dir."""
     out_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(DS_ACCELERATOR=kind, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+    env = launch_env(accelerator=kind, job=False, threads=None, unbuffered=False)
     proc = subprocess.run(
         [sys.executable, "recipes/flux_grpo.py", "--config", "recipes/configs/tiny/grpo_lora.yaml", "max_steps=2",
          f"output_dir={out_dir}", f"data.cache_dir={tmp_path}/cache", "deepspeed.config=ds_configs/zero3.json",
@@ -164,9 +163,7 @@ def test_tiny_recipe_runs(kind: str, tmp_path: Path):
 
 def _align(args: list[str], tmp_path: Path, timeout: float = 1800) -> str:
     """Runs `python -m tools.align ARGS` (each side picks its device with device=...); returns its table."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "DS_ACCELERATOR")}
-    env.update(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+    env = launch_env({"DS_ACCELERATOR": None}, accelerator=None, job=False, threads=None, unbuffered=False)
     tiny = ["recipes/configs/tiny/grpo_lora.yaml", "batch.prompts_per_step=2", "sampling.group_size=2",
             "batch.micro_batch_size=2", "sampling.num_steps=3", "data.eval_prompts=null", "logging.tensorboard=false",
             f"data.cache_dir={tmp_path}/cache"]

@@ -1,55 +1,13 @@
-"""tools/torchrun.py, the launchers' torchrun: the workers' exit code passed on, stop signals passed to the workers and
-waited for (GRACE_S), with stand-in workers (a few seconds each; the recipe itself: tests/recipe/test_bad_input_launch.py)."""
+"""tools/torchrun.py, the launchers' torchrun, in-process: which worker's exit code it passes on, its grace period
+setting, the line a rank's exit leaves for a plain torchrun's report; tools/deepspeed_run.py's workers and exit code.
+With real launchers and stand-in workers (exit codes, stop signals passed on and waited for):
+tests/recipe/test_torchrun.py."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
-import time
 from types import SimpleNamespace
 
-import pytest
-
-from tests import ROOT
 from tools import torchrun as tr
-from tools.launch import free_port, launch_env
-
-# A stand-in worker: its mode is the last argument's last path part (exit2, exit3, save, stuck; under launch/*.sh the
-# output_dir=... override, which is all the recipe's command line carries through to every node).
-WORKER = """
-import os, signal, sys, time
-from grpo.errors import rank_exit
-rank, mode = int(os.environ["RANK"]), os.path.basename(sys.argv[-1].split("=")[-1])
-if mode.startswith("exit"):
-    sys.exit(rank_exit("error: x: bad", int(mode[4:])))  # what the recipe does on a bad input every rank finds
-got = []
-signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
-os.write(1, b"ready\\n")  # one write: the two workers share the pipe
-while not got:
-    time.sleep(0.05)
-if mode == "stuck":
-    time.sleep(600)
-time.sleep(1)
-print(f"rank {rank} saved", file=sys.stderr, flush=True)
-"""
-
-
-def _start(tmp_path, mode, env=None, launcher="tools.torchrun"):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    cmd = [sys.executable, "-m", launcher, "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(script), mode]
-    return subprocess.Popen(cmd, cwd=ROOT, env=launch_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-
-
-def _wait_ready(proc, n=2):
-    seen = ""
-    while seen.count("ready") < n:
-        line = proc.stdout.readline()
-        assert line, "the workers ended before they were ready"
-        seen += line
 
 
 def test_exit_code_of_the_first_worker_with_a_meaning():
@@ -65,14 +23,6 @@ def test_bad_grace_period_exits_2(monkeypatch, capsys):
     monkeypatch.setenv("GRACE_S", "soon")
     assert tr.main(["x.py"]) == 2
     assert capsys.readouterr().err.startswith("error: GRACE_S: 'soon';")
-
-
-def test_worker_exit_2_is_the_launchers_with_one_line(tmp_path):
-    proc = _start(tmp_path, "exit2")
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2, err
-    assert err.strip().splitlines()[-1] == "error: x: bad" and err.count("error:") == 1
-    assert "Traceback" not in err and "ChildFailedError" not in err
 
 
 def test_rank_exit_names_the_line_as_a_plain_torchruns_root_cause(tmp_path, monkeypatch, capsys):
@@ -95,38 +45,6 @@ def test_rank_exit_names_the_line_as_a_plain_torchruns_root_cause(tmp_path, monk
     report = ChildFailedError("recipe", failures).format_msg()
     assert "traceback : error: optim.lr: must be > 0, got 0.0; e.g. 3e-4 (exit 2: bad input;" in report
     assert report.count("optim.lr") == 1
-
-
-@pytest.mark.slow
-def test_plain_torchrun_exits_1_with_the_line_once_and_as_root_cause(tmp_path):
-    """What a user's direct torchrun does with a rank's exit 2 (why the launchers use tools.torchrun): exit 1 and
-    torchrun's traceback, but the error line is printed once and its report's root cause is that line."""
-    proc = _start(tmp_path, "exit2", launcher="torch.distributed.run")
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 1, err
-    assert [line for line in err.splitlines() if line.startswith("error:")] == ["error: x: bad"]
-    root = err.split("Root Cause (first observed failure):")[1]
-    assert "exitcode  : 2" in root and "traceback : error: x: bad (exit 2: bad input;" in root
-
-
-def test_sigterm_reaches_the_workers_and_is_waited_for(tmp_path):
-    proc = _start(tmp_path, "save")
-    _wait_ready(proc)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
-    assert "rank 0 saved" in err and "rank 1 saved" in err and "Traceback" not in err
-
-
-def test_workers_still_running_after_the_grace_period_are_killed(tmp_path):
-    proc = _start(tmp_path, "stuck", {"GRACE_S": "1"})
-    _wait_ready(proc)
-    start = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 1, err
-    assert time.monotonic() - start < 60
-    assert "still running 1s after the stop signal: killed" in err and "Traceback" not in err
 
 
 def test_deepspeed_launchers_workers_and_exit_code():

@@ -1,5 +1,5 @@
 """A stand-in for a VLM served by vLLM or SGLang: the OpenAI chat completions API, a judge whose answer depends on the
-request. Run as a process: python -m tests.unit.judge_server --port PORT
+request. Run as a process: python -m tests.recipe.judge_server --port PORT
 
     GET  /v1/models             {"object": "list", "data": [{"id": "tiny-judge", "object": "model"}]}
     POST /v1/chat/completions   {"choices": [{"message": {"role": "assistant", "content": ANSWER}, ...}], ...}

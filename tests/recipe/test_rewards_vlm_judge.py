@@ -1,5 +1,5 @@
 """The vlm_judge reward against a local server process speaking the OpenAI chat completions API
-(tests/unit/judge_server.py: its answer depends on the image's pixels and the prompt)."""
+(tests/recipe/judge_server.py: its answer depends on the image's pixels and the prompt)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from tests.unit.reward_inputs import images
 @pytest.fixture(scope="module")
 def judge_url():
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "tests.unit.judge_server", "--port", str(port)], cwd=ROOT)
+    server = subprocess.Popen([sys.executable, "-m", "tests.recipe.judge_server", "--port", str(port)], cwd=ROOT)
     url = f"http://127.0.0.1:{port}/v1"
     try:
         deadline = time.monotonic() + 60

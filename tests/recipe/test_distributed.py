@@ -1,0 +1,39 @@
+"""gather_by_index across two real gloo processes (in one process: tests/unit/test_distributed.py)."""
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from grpo.device import free_port
+from grpo.distributed import gather_by_index
+
+
+def _worker(rank: int, world: int, port: int) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        # Interleaved global indices, unequal counts (3 on rank 0, 2 on rank 1), reversed local order.
+        index = torch.tensor([4, 2, 0]) if rank == 0 else torch.tensor([3, 1])
+        values = torch.stack([index.float() * 10, index.float() + 0.5], dim=1)
+        table = gather_by_index(values, index, 5)
+        expected = torch.stack([torch.arange(5.0) * 10, torch.arange(5.0) + 0.5], dim=1)
+        assert torch.equal(table, expected), table
+        assert torch.equal(gather_by_index(index.float(), index, 5), torch.arange(5.0))
+        # A duplicate on one rank only: every rank must raise (not hang).
+        bad = torch.tensor([0, 1]) if rank == 0 else torch.tensor([1, 2])
+        try:
+            gather_by_index(torch.zeros(2), bad, 4)
+        except ValueError as err:
+            assert "repeated [1]" in str(err) and "missing [3]" in str(err), err
+        else:
+            raise AssertionError("duplicate index not detected")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_process_gloo():
+    mp.spawn(_worker, args=(2, free_port()), nprocs=2, join=True)
