@@ -93,7 +93,9 @@ def sample(velocity: Velocity, cond: Conditioning, init_latents: torch.Tensor, s
     """
     b, steps = init_latents.shape[0], len(sigmas) - 1
     device = init_latents.device
-    x = init_latents.float()
+    # Contiguous, like the stacked latents the update reads back: a permuted layout (Flux2's packing is a permute)
+    # would change the order of the log-prob's reduction and break the first-pass ratio's exact 1.
+    x = init_latents.float().contiguous()
     latents, log_probs, means = [x], [], []
     ode = SDEParams(0.0, sde.kind)
     grid_steps = steps if tail is None else window[-1] + 1
