@@ -2,6 +2,10 @@
 
     python -m tools.build_tiny --out assets/tiny-flux [--vae-steps N] [--transformer-steps N] [--seed S]
     python -m tools.build_tiny --out NEW --init-from OLD [--decoder-steps N] [--transformer-steps N] [--transformer-lr LR]
+    python -m tools.build_tiny --family flux2 --out assets/tiny-flux2 [same flags]
+
+`--family flux1` (the default) builds a FluxPipeline (FLUX.1 layout), described below; `--family flux2` builds a
+Flux2KleinPipeline (FLUX.2 [klein] layout) through the same phases, with the parts in `tools/build_tiny_flux2.py`.
 
 Phases (each logged with its time):
 
@@ -25,6 +29,10 @@ it).
 transformer trains further and, with `--decoder-steps`, the VAE decoder too, so a longer pretraining does not redo the
 VAE phase. The decoder phase draws from its own generator, so it never changes what the transformer phase trains on.
 `build_info.json` then records the chain of builds (`init_from`), which is what reproduces the result.
+
+What differs between the families (components, latent normalisation, conditioning, sampling) is a `Family`; `build`
+runs the phases, and the helpers below it (world renders, the latent pool, the flow-matching loop, the VAE training,
+the scoring of samples) serve both.
 """
 
 from __future__ import annotations
@@ -38,8 +46,9 @@ import tempfile
 import time
 from collections import Counter
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -185,11 +194,10 @@ def build_text_encoders(clip_tok, t5_tok):
     return clip, t5
 
 
-def build_vae(block_out_channels: tuple[int, ...] = (16, 32, 32)):
-    """AutoencoderKL: 3 blocks (scale factor 4), 4 latent channels, no quant convs, no mid-block attention."""
-    from diffusers import AutoencoderKL
-
-    return AutoencoderKL(
+def vae_arch(block_out_channels: tuple[int, ...] = (16, 32, 32)) -> dict:
+    """Encoder/decoder arguments of the tiny VAE, the same for FLUX.1's AutoencoderKL and FLUX.2's
+    AutoencoderKLFlux2: 3 blocks (scale factor 4), 4 latent channels, no quant convs, no mid-block attention."""
+    return dict(
         in_channels=3,
         out_channels=3,
         down_block_types=("DownEncoderBlock2D",) * 3,
@@ -204,9 +212,14 @@ def build_vae(block_out_channels: tuple[int, ...] = (16, 32, 32)):
         # Flux's VAE has mid-block attention; at this size it only costs time (10x per step on CPU) and flat
         # shapes do not need it.
         mid_block_add_attention=False,
-        scaling_factor=1.0,
-        shift_factor=0.0,
     )
+
+
+def build_vae(block_out_channels: tuple[int, ...] = (16, 32, 32)):
+    """AutoencoderKL of `vae_arch`; its scaling/shift factors are set later from measured latents."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(**vae_arch(block_out_channels), scaling_factor=1.0, shift_factor=0.0)
 
 
 def build_transformer(layers: int = 2, single_layers: int = 4):
@@ -295,12 +308,17 @@ def reconstruction_scores(vae, images: torch.Tensor, prompts: list[str]) -> torc
     return world.score((recon / 2 + 0.5).clamp(0, 1), prompts)
 
 
+def random_renders(n: int, generator: torch.Generator) -> torch.Tensor:
+    """n rendered images of randomly drawn world prompts, in [-1, 1] (what the latent statistics are measured on)."""
+    prompts = world.all_prompts()
+    idx = torch.randint(len(prompts), (n,), generator=generator)
+    return world.render([prompts[i] for i in idx], RESOLUTION, generator) * 2 - 1
+
+
 @torch.no_grad()
 def set_latent_factors(vae, generator: torch.Generator, n: int = 512) -> dict[str, float]:
     """Set the VAE config's shift_factor / scaling_factor so scaled latents have mean 0 and std 1 (as Flux's were)."""
-    prompts = world.all_prompts()
-    idx = torch.randint(len(prompts), (n,), generator=generator)
-    x = world.render([prompts[i] for i in idx], RESOLUTION, generator) * 2 - 1
+    x = random_renders(n, generator)
     z = torch.cat([vae.encode(c).latent_dist.mean for c in x.split(128)])
     shift = z.mean().item()
     scale = 1.0 / z.std().item()
@@ -318,44 +336,53 @@ def encode_latents(pipe, images: torch.Tensor) -> torch.Tensor:
     return pipe._pack_latents(z, b, c, h, w)
 
 
-def train_transformer(
-    pipe,
+def latent_pool(
+    prompts: list[str],
+    images_per_prompt: int,
+    encode: Callable[[torch.Tensor], torch.Tensor],
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed pool of renders per prompt, encoded once (the VAE encoder would otherwise cost as much as a step).
+
+    Args:
+        encode: images [B, 3, H, W] in [0, 1] -> packed latents [B, tokens, channels], as the family's transformer
+            sees them.
+
+    Returns:
+        (latents [len(prompts) * images_per_prompt, tokens, channels], prompt index of each latent).
+    """
+    pool_prompts = [p for p in prompts for _ in range(images_per_prompt)]
+    pool_index = torch.arange(len(prompts)).repeat_interleave(images_per_prompt)
+    latents = encode(world.render(pool_prompts, RESOLUTION, generator))
+    logger.info(
+        "latent pool %s, std %.3f, mean %.3f", tuple(latents.shape), latents.std().item(), latents.mean().item()
+    )
+    return latents, pool_index
+
+
+def flow_matching(
+    transformer,
+    latents: torch.Tensor,
+    pool_index: torch.Tensor,
+    predict: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
     steps: int,
     batch: int,
     lr: float,
     shift: float,
-    images_per_prompt: int,
     generator: torch.Generator,
 ) -> None:
-    """Rectified-flow pretraining of `pipe.transformer` on every world prompt.
+    """Rectified-flow training of `transformer` on a latent pool.
 
     x_sigma = (1 - sigma) x0 + sigma noise, target velocity noise - x0, sigma = s u / (1 + (s - 1) u) with u uniform
-    (the time-shifted schedule GRPO samples on), guidance embedding fixed at 3.5. The conditioning comes from
-    `pipe.encode_prompt`, so it is bit-for-bit what the pipeline feeds at inference.
+    (the time-shifted schedule GRPO samples on). `predict(x_sigma, sigma, prompt_index, step)` is the family's
+    transformer call, conditioned as its pipeline conditions it.
     """
-    transformer = pipe.transformer
-    prompts = world.all_prompts()
-    with torch.no_grad():
-        prompt_embeds, pooled, text_ids = pipe.encode_prompt(
-            prompts, prompt_2=None, device=torch.device("cpu"), max_sequence_length=MAX_SEQUENCE_LENGTH
-        )
-    # A fixed pool of renders per prompt, encoded once: the VAE encoder would otherwise cost as much as a step.
-    pool_prompts = [p for p in prompts for _ in range(images_per_prompt)]
-    pool_index = torch.arange(len(prompts)).repeat_interleave(images_per_prompt)
-    latents = encode_latents(pipe, world.render(pool_prompts, RESOLUTION, generator))
-    logger.info(
-        "latent pool %s, std %.3f, mean %.3f", tuple(latents.shape), latents.std().item(), latents.mean().item()
-    )
-    h = w = RESOLUTION // pipe.vae_scale_factor
-    img_ids = pipe._prepare_latent_image_ids(1, h // 2, w // 2, torch.device("cpu"), torch.float32)
-
     opt = torch.optim.AdamW(transformer.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
     warmup = max(1, min(100, steps // 10))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps)))
     )
     transformer.train()
-    guidance = torch.full((batch,), GUIDANCE)
     start = time.perf_counter()
     running = None
     for step in range(steps):
@@ -367,16 +394,7 @@ def train_transformer(
         sigma = shift * u / (1 + (shift - 1) * u)
         s = sigma.view(-1, 1, 1)
         xt = (1 - s) * x0 + s * noise
-        pred = transformer(
-            hidden_states=xt,
-            timestep=sigma,
-            guidance=guidance,
-            pooled_projections=pooled[cond],
-            encoder_hidden_states=prompt_embeds[cond],
-            txt_ids=text_ids,
-            img_ids=img_ids,
-            return_dict=False,
-        )[0]
+        pred = predict(xt, sigma, cond, step)
         loss = F.mse_loss(pred, noise - x0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -391,27 +409,74 @@ def train_transformer(
     transformer.eval()
 
 
+def train_transformer(
+    pipe,
+    steps: int,
+    batch: int,
+    lr: float,
+    shift: float,
+    images_per_prompt: int,
+    generator: torch.Generator,
+) -> None:
+    """Rectified-flow pretraining (`flow_matching`) of the FLUX.1 `pipe.transformer` on every world prompt.
+
+    The guidance embedding is fixed at 3.5. The conditioning comes from `pipe.encode_prompt`, so it is bit-for-bit
+    what the pipeline feeds at inference.
+    """
+    transformer = pipe.transformer
+    prompts = world.all_prompts()
+    with torch.no_grad():
+        prompt_embeds, pooled, text_ids = pipe.encode_prompt(
+            prompts, prompt_2=None, device=torch.device("cpu"), max_sequence_length=MAX_SEQUENCE_LENGTH
+        )
+    latents, pool_index = latent_pool(prompts, images_per_prompt, lambda x: encode_latents(pipe, x), generator)
+    h = w = RESOLUTION // pipe.vae_scale_factor
+    img_ids = pipe._prepare_latent_image_ids(1, h // 2, w // 2, torch.device("cpu"), torch.float32)
+    guidance = torch.full((batch,), GUIDANCE)
+
+    def predict(xt, sigma, cond, step):
+        return transformer(
+            hidden_states=xt,
+            timestep=sigma,
+            guidance=guidance,
+            pooled_projections=pooled[cond],
+            encoder_hidden_states=prompt_embeds[cond],
+            txt_ids=text_ids,
+            img_ids=img_ids,
+            return_dict=False,
+        )[0]
+
+    flow_matching(transformer, latents, pool_index, predict, steps, batch, lr, shift, generator)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Evaluation
 
 
 @torch.no_grad()
-def sample_scores(pipe, prompts: list[str], steps: int, seeds: list[int]) -> torch.Tensor:
-    """World scores of `pipe` samples, one per (seed, prompt): [len(seeds) * len(prompts)]."""
+def score_samples(pipe, prompts: list[str], steps: int, seeds: list[int], **call: Any) -> torch.Tensor:
+    """World scores of `pipe(prompt=prompts, **call)` samples at 64 px, one per (seed, prompt):
+    [len(seeds) * len(prompts)]."""
     scores = []
     for seed in seeds:
         images = pipe(
-            prompts,
+            prompt=prompts,
             height=RESOLUTION,
             width=RESOLUTION,
             num_inference_steps=steps,
-            guidance_scale=GUIDANCE,
-            max_sequence_length=MAX_SEQUENCE_LENGTH,
             generator=torch.Generator().manual_seed(seed),
             output_type="pt",
+            **call,
         ).images
         scores.append(world.score(images, prompts))
     return torch.cat(scores)
+
+
+def sample_scores(pipe, prompts: list[str], steps: int, seeds: list[int]) -> torch.Tensor:
+    """World scores of FLUX.1 `pipe` samples (guidance 3.5, T5 length 32): [len(seeds) * len(prompts)]."""
+    return score_samples(
+        pipe, prompts, steps, seeds, guidance_scale=GUIDANCE, max_sequence_length=MAX_SEQUENCE_LENGTH
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -440,9 +505,62 @@ def _fresh_pipeline(layers: int, single_layers: int):
         )
         pipe.set_progress_bar_config(disable=True)
         parts = dict(transformer=transformer, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2)
-        n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in parts.items()}
-        logger.info("parameters %s", n_params)
+        n_params = parameter_counts(parts)
     return pipe, n_params
+
+
+def parameter_counts(parts: dict) -> dict[str, int]:
+    """Parameters per component (logged, and recorded in build_info.json)."""
+    n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in parts.items()}
+    logger.info("parameters %s", n_params)
+    return n_params
+
+
+@dataclass(frozen=True)
+class Family:
+    """What differs between the FLUX.1 and FLUX.2 [klein] builds; `build` runs the same phases for every family.
+
+    Attributes:
+        name: the `--family` value, recorded in build_info.json.
+        pipeline: the diffusers pipeline class name the folder loads with.
+        fresh: (layers, single_layers) -> (pipe, parameter counts): tokenizers and untrained models.
+        stats_key: the build_info.json key of the VAE latent normalisation.
+        set_latent_stats: (vae, generator, n images) -> that normalisation, measured on world latents and set.
+        kept_latent_stats: vae -> the normalisation of a loaded build.
+        train_transformer: (pipe, steps, batch, lr, shift, images_per_prompt, generator, **options).
+        sample_scores: (pipe, prompts, steps, seeds) -> world scores of samples, the eval's sample_score_mean.
+        options: the family's own training options, passed to train_transformer and recorded.
+        eval_extra: (pipe, prompts, steps, seeds) -> more eval fields (other sampling settings), or None.
+    """
+
+    name: str
+    pipeline: str
+    fresh: Callable[[int, int], tuple[Any, dict[str, int]]]
+    stats_key: str
+    set_latent_stats: Callable[..., dict]
+    kept_latent_stats: Callable[[Any], dict]
+    train_transformer: Callable[..., None]
+    sample_scores: Callable[..., torch.Tensor]
+    options: dict = field(default_factory=dict)
+    eval_extra: Callable[..., dict] | None = None
+
+
+FLUX1 = Family(
+    name="flux1",
+    pipeline="FluxPipeline",
+    fresh=_fresh_pipeline,
+    stats_key="vae_factors",
+    set_latent_stats=set_latent_factors,
+    kept_latent_stats=lambda vae: {k: vae.config[k] for k in ("shift_factor", "scaling_factor")},
+    train_transformer=train_transformer,
+    sample_scores=sample_scores,
+)
+
+
+def _pipeline_class(family: Family):
+    import diffusers
+
+    return getattr(diffusers, family.pipeline)
 
 
 def build(
@@ -463,21 +581,22 @@ def build(
     eval_seeds: int = 2,
     latent_stat_images: int = 512,
     init_from: Path | None = None,
+    family: Family = FLUX1,
 ) -> dict:
-    """Build, train and save the tiny FluxPipeline; returns a summary (also written to out/build_info.json).
+    """Build, train and save the tiny pipeline; returns a summary (also written to out/build_info.json).
 
     Args:
-        out: output folder (diffusers FluxPipeline layout).
+        out: output folder (diffusers layout of the family's pipeline).
         vae_steps, transformer_steps: optimisation steps (0: keep the random initialisation).
         decoder_steps: steps sharpening the VAE decoder with the encoder frozen (batch vae_batch, lr vae_lr);
             None: 2000 for a new build, 0 when continuing one.
         seed: seeds every random choice, so a build is reproducible on the same machine and thread count.
         eval_steps, eval_seeds: sampling steps and seeds of the final held-out evaluation (0 seeds: skip).
-        latent_stat_images: rendered images whose latents set the VAE scaling/shift factors.
-        init_from: an earlier build to continue (its VAE encoder and factors are kept; vae_steps is ignored).
+        latent_stat_images: rendered images whose latents set the VAE latent normalisation (FLUX.1: scaling/shift
+            factors; FLUX.2: the batch-norm running statistics).
+        init_from: an earlier build to continue (its VAE encoder and normalisation are kept; vae_steps is ignored).
+        family: FLUX1 (FluxPipeline) or `tools.build_tiny_flux2.family(...)` (Flux2KleinPipeline).
     """
-    from diffusers import FluxPipeline
-
     t0 = time.perf_counter()
     times: dict[str, float] = {}
 
@@ -496,24 +615,26 @@ def build(
     if init_from is not None:
         vae_steps = 0  # the VAE is the earlier build's, bit for bit
         with _phase("load"):
-            pipe = FluxPipeline.from_pretrained(str(init_from))
+            earlier = json.loads((init_from / "build_info.json").read_text())
+            if earlier.get("family", "flux1") != family.name:
+                raise ValueError(f"{init_from} is a {earlier.get('family', 'flux1')} build, not {family.name}")
+            pipe = _pipeline_class(family).from_pretrained(str(init_from))
             pipe.set_progress_bar_config(disable=True)
             vae, transformer = pipe.vae, pipe.transformer
             transformer.requires_grad_(True)
-            factors = {k: vae.config[k] for k in ("shift_factor", "scaling_factor")}
-            earlier = json.loads((init_from / "build_info.json").read_text())
+            stats = family.kept_latent_stats(vae)
             n_params = earlier["parameters"]
         t = mark("load", t)
     else:
-        pipe, n_params = _fresh_pipeline(layers, single_layers)
+        pipe, n_params = family.fresh(layers, single_layers)
         vae, transformer = pipe.vae, pipe.transformer
         t = mark("models", t)
         with _phase("vae"):
             if vae_steps > 0:
                 train_vae(vae, vae_steps, vae_batch, vae_lr, kl_weight=1e-3, generator=generator)
-            factors = set_latent_factors(vae, generator, latent_stat_images)
+            stats = family.set_latent_stats(vae, generator, latent_stat_images)
             vae.requires_grad_(False)
-            logger.info("vae latent factors %s", factors)
+            logger.info("vae latent %s %s", family.stats_key, stats)
         t = mark("vae", t)
     if decoder_steps > 0:
         with _phase("decoder"):
@@ -521,8 +642,9 @@ def build(
         t = mark("decoder", t)
     with _phase("transformer"):
         if transformer_steps > 0:
-            train_transformer(
-                pipe, transformer_steps, transformer_batch, transformer_lr, shift, images_per_prompt, generator
+            family.train_transformer(
+                pipe, transformer_steps, transformer_batch, transformer_lr, shift, images_per_prompt, generator,
+                **family.options,
             )
         transformer.requires_grad_(False)
     t = mark("transformer", t)
@@ -541,20 +663,23 @@ def build(
     t = mark("save", t)
 
     summary: dict = {
+        "family": family.name,
         "seed": seed,
         "init_from": earlier,
         "vae_steps": vae_steps,
         "decoder_steps": decoder_steps,
         "transformer_steps": transformer_steps,
         "transformer_lr": transformer_lr,
+        **({"transformer_options": dict(family.options)} if family.options else {}),
         "parameters": n_params,
-        "vae_factors": factors,
+        family.stats_key: stats,
         "threads": torch.get_num_threads(),
     }
     if eval_seeds > 0:
         with _phase("evaluate"):
             _, heldout = world.split_prompts()
-            sampled = sample_scores(pipe, heldout, eval_steps, list(range(eval_seeds)))
+            seeds = list(range(eval_seeds))
+            sampled = family.sample_scores(pipe, heldout, eval_steps, seeds)
             rendered = world.render(heldout, RESOLUTION, torch.Generator().manual_seed(seed))
             truth = world.score(rendered, heldout)
             decoded = reconstruction_scores(vae, rendered, heldout)
@@ -570,6 +695,9 @@ def build(
                 "held-out score: samples %.3f, ground truth %.3f, after a VAE round trip %.3f",
                 sampled.mean(), truth.mean(), decoded.mean(),
             )
+            if family.eval_extra is not None:
+                summary["eval"].update(family.eval_extra(pipe, heldout, eval_steps, seeds))
+                logger.info("held-out eval %s", summary["eval"])
         t = mark("evaluate", t)
     times["total"] = round(time.perf_counter() - t0, 1)
     summary["seconds"] = times
@@ -580,7 +708,9 @@ def build(
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m tools.build_tiny", description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True, help="output folder (diffusers FluxPipeline layout)")
+    p.add_argument("--out", type=Path, required=True, help="output folder (diffusers layout of the family's pipeline)")
+    p.add_argument("--family", choices=("flux1", "flux2"), default="flux1",
+                   help="flux1: FluxPipeline (default); flux2: Flux2KleinPipeline (tools/build_tiny_flux2.py)")
     p.add_argument("--vae-steps", type=int, default=300)
     p.add_argument("--transformer-steps", type=int, default=400)
     p.add_argument("--seed", type=int, default=0)
@@ -600,12 +730,29 @@ def main(argv: list[str] | None = None) -> None:
                    help="an earlier build to continue (transformer, and the decoder with --decoder-steps)")
     # One thread by default: on a shared 2-core machine two OpenMP threads per process ran ~8x slower per step.
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (results depend on it bit-wise)")
+    flux2 = p.add_argument_group("flux2 only")
+    flux2.add_argument("--cfg-dropout", type=float, default=None,
+                       help="share of training prompts replaced by the empty prompt, which CFG's negative prompt is "
+                            "(default 0.1)")
+    flux2.add_argument("--long-text-every", type=int, default=None,
+                       help="every N-th step, batch/8 samples see the pipeline's default 512-token padding instead "
+                            "of 32 (default 8; 0: never)")
     args = p.parse_args(argv)
-    for name in ("vae_steps", "decoder_steps", "transformer_steps", "eval_seeds", "eval_steps"):
+    for name in ("vae_steps", "decoder_steps", "transformer_steps", "eval_seeds", "eval_steps", "long_text_every"):
         if (getattr(args, name) or 0) < 0:
             raise SystemExit(f"--{name.replace('_', '-')}: must be >= 0, got {getattr(args, name)}")
     if args.init_from is not None and not (args.init_from / "build_info.json").is_file():
         raise SystemExit(f"--init-from: {args.init_from} is not a build of this tool (no build_info.json)")
+    flux2_options = {k: v for k, v in (("cfg_dropout", args.cfg_dropout), ("long_text_every", args.long_text_every))
+                     if v is not None}
+    if args.family == "flux1":
+        if flux2_options:
+            raise SystemExit(f"--{next(iter(flux2_options)).replace('_', '-')}: a flux2 option (--family flux2)")
+        family = FLUX1
+    else:
+        from tools import build_tiny_flux2
+
+        family = build_tiny_flux2.family(**flux2_options)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     build(
@@ -625,8 +772,13 @@ def main(argv: list[str] | None = None) -> None:
         eval_steps=args.eval_steps,
         eval_seeds=args.eval_seeds,
         init_from=args.init_from,
+        family=family,
     )
 
 
 if __name__ == "__main__":
-    main()
+    # Run the importable module's main, so that tools.build_tiny_flux2 and this entry point share one module (and one
+    # Family class, one logger) rather than `__main__` and a second `tools.build_tiny`.
+    from tools.build_tiny import main as _main
+
+    _main()

@@ -1,0 +1,392 @@
+"""The FLUX.2 [klein] family of the tiny world's builder: a `Flux2KleinPipeline` folder, built offline.
+
+    python -m tools.build_tiny --family flux2 --out assets/tiny-flux2 [--vae-steps N] [--transformer-steps N] ...
+
+`tools.build_tiny` runs the phases (tokenizer, models, VAE, decoder, transformer, save, evaluate, `--init-from`
+chains, build_info.json); this module holds what FLUX.2 does differently:
+
+1. tokenizer: a byte-level BPE trained on the world prompts inside the chat template, loaded as `Qwen2TokenizerFast`
+   with Qwen3's special tokens (<|endoftext|> pad, <|im_start|>, <|im_end|> eos, <think> / </think>) and a chat
+   template that renders what Qwen3's does for one user turn with `add_generation_prompt=True, enable_thinking=False`.
+   Every world word is one token; a prompt in the template is 19 tokens.
+2. text encoder: a frozen random `Qwen3ForCausalLM` of 28 layers, hidden 32: the pipeline stacks hidden_states
+   (9, 18, 27) (`text_encoder_out_layers`); hidden_states[0] is the embedding and hidden_states[28] the final-norm
+   output, so 28 layers is the fewest that keeps 27 a plain layer output, as in Qwen3-4B (36 layers). The
+   transformer's joint_attention_dim is 3 x 32 = 96.
+3. vae: `AutoencoderKLFlux2` with the FLUX.1 tiny VAE's blocks (`build_tiny.vae_arch`: 64 px -> 4 x 16 x 16), whose
+   latents the pipeline patchifies 2x2 (16 x 8 x 8) and normalises with `vae.bn`'s running statistics: those are set
+   from the patchified latents of rendered world images (`set_bn_statistics`), as FLUX.1's scaling/shift factors
+   are.
+4. transformer: `Flux2Transformer2DModel` (16 in-channels, 2 double + 4 single blocks, head 4 x 32, RoPE axes
+   (8, 8, 8, 8) over the (T, H, W, L) ids, no guidance embedding: klein has none), trained by `build_tiny`'s
+   `flow_matching` on `pipe._encode_vae_image` latents, conditioned as `Flux2KleinPipeline.__call__` conditions it:
+   `encode_prompt` embeddings and text ids, latent ids from `_prepare_latent_ids`, timestep sigma (the pipeline passes
+   t / 1000), guidance None.
+5. scheduler: FlowMatchEulerDiscreteScheduler with klein's config (dynamic shifting; the pipeline passes
+   mu = compute_empirical_mu(image tokens, steps), so shift and the base/max keys are unused);
+   model_index.json `is_distilled: false`.
+
+Prompt length. The pipeline pads every prompt to `max_sequence_length` (padding="max_length", default 512) and the
+transformer attends to all of it (no mask): at 512, 576 tokens per sample instead of 32 + 64, ~8x the cost of a
+training step. The model trains and samples at MAX_SEQUENCE_LENGTH 32 (pass it to the pipeline, as the FLUX.1 tiny
+model's callers pass 32); the encoder is causal and pads on the right, so the first 32 positions of a 512 encoding
+are the 32-token encoding, and 512 only adds 480 pad tokens. Every `long_text_every`-th step, batch/8 samples train
+on the 512 encoding, so that the pipeline's default call keeps working (the eval records it).
+
+Guidance. Klein ships as base (`is_distilled` false: CFG with guidance_scale 4 by default, ~50 steps) and distilled
+(4 steps, guidance ignored). This model is a plain flow-matching model, not step-distilled: it is a base model, and
+`cfg_dropout` of the training prompts are the empty prompt, which is the pipeline's CFG negative prompt.
+guidance_scale 1.0 (one transformer pass a step, as the eval samples) turns CFG off.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import tempfile
+from pathlib import Path
+
+import torch
+
+from grpo.tiny import world
+from tools import build_tiny
+from tools.build_tiny import RESOLUTION, _phase
+
+logger = logging.getLogger(__name__)
+
+MAX_SEQUENCE_LENGTH = 32
+PIPELINE_MAX_SEQUENCE_LENGTH = 512  # Flux2KleinPipeline's default
+TEXT_ENCODER_OUT_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's default text_encoder_out_layers
+TEXT_HIDDEN = 32
+GUIDANCE = 1.0  # no CFG: one transformer pass a step
+CFG_GUIDANCE = 4.0  # Flux2KleinPipeline's default guidance_scale
+# black-forest-labs/FLUX.2-klein-4B scheduler/scheduler_config.json (diffusers keys): FLUX.1-dev's keys with
+# exponential time shifting. With use_dynamic_shifting the klein pipeline passes its own mu, so `shift` and the
+# base/max keys (FluxPipeline's calculate_shift inputs) do not act.
+SCHEDULER_CONFIG = dict(
+    num_train_timesteps=1000,
+    shift=3.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=1.15,
+    base_image_seq_len=256,
+    max_image_seq_len=4096,
+    time_shift_type="exponential",
+)
+
+PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+THINK, END_THINK = "<think>", "</think>"
+# Qwen3's chat template, reduced to what the pipeline renders: user turns, the assistant generation prompt and the
+# empty think block of enable_thinking=False.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Components
+
+
+def chat_text(tokenizer, prompt: str) -> str:
+    """The text the pipeline tokenizes for `prompt` (Flux2KleinPipeline._get_qwen3_prompt_embeds)."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+
+
+def build_qwen_tokenizer(folder: Path):
+    """Train a byte-level BPE on the world prompts in the chat template; load it as `Qwen2TokenizerFast`.
+
+    The BPE uses Qwen2's own normalizer and pre-tokenizer (NFC, Qwen's split regex, byte level), which is what
+    `Qwen2TokenizerFast` rebuilds from a vocab and merges, and all 256 bytes as its alphabet, so any text tokenizes
+    (no unknown token). It trains on the template's text between the special tokens, which the tokenizer never
+    splits.
+
+    Args:
+        folder: where the trained tokenizer.json is written.
+
+    Returns:
+        transformers.Qwen2TokenizerFast (model_max_length 512, right padding with <|endoftext|>, eos <|im_end|>).
+    """
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import Qwen2TokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    specials = [PAD, IM_START, IM_END]
+    added = [THINK, END_THINK]  # Qwen3 has them as added, non-special tokens
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,  # more than the merges the corpus has: every word ends up one token
+        special_tokens=specials + added,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    template = f"{IM_START}user\n{{}}{IM_END}\n{IM_START}assistant\n{THINK}\n\n{END_THINK}\n\n"
+    split = re.compile("|".join(re.escape(t) for t in specials + added))
+    pieces = [piece for p in world.all_prompts() for piece in split.split(template.format(p)) if piece]
+    bpe.train_from_iterator(pieces, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    bpe.save(str(folder / "tokenizer.json"))
+    trained = json.loads((folder / "tokenizer.json").read_text())["model"]
+    tok = Qwen2TokenizerFast(
+        vocab=trained["vocab"],
+        merges=[tuple(m) for m in trained["merges"]],
+        unk_token=None,
+        eos_token=IM_END,
+        pad_token=PAD,
+        extra_special_tokens=[IM_START],
+        model_max_length=PIPELINE_MAX_SEQUENCE_LENGTH,
+        chat_template=CHAT_TEMPLATE,
+    )
+    tok.add_tokens(added)
+    return tok
+
+
+def build_text_encoder(tokenizer):
+    """Frozen random Qwen3ForCausalLM: 28 layers (see the module docstring), hidden 32, 2 heads of 16, 1 KV head."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    encoder = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=len(tokenizer),
+            hidden_size=TEXT_HIDDEN,
+            intermediate_size=2 * TEXT_HIDDEN,
+            num_hidden_layers=max(TEXT_ENCODER_OUT_LAYERS) + 1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=TEXT_HIDDEN // 2,
+            max_position_embeddings=PIPELINE_MAX_SEQUENCE_LENGTH,
+            tie_word_embeddings=True,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=None,
+        )
+    )
+    return encoder.eval().requires_grad_(False)
+
+
+def build_vae(block_out_channels: tuple[int, ...] = (16, 32, 32)):
+    """AutoencoderKLFlux2 of `build_tiny.vae_arch`, patch 2x2 (bn over 16 channels); bn statistics set later."""
+    from diffusers import AutoencoderKLFlux2
+
+    return AutoencoderKLFlux2(**build_tiny.vae_arch(block_out_channels), patch_size=(2, 2))
+
+
+def build_transformer(layers: int = 2, single_layers: int = 4):
+    """Flux2Transformer2DModel for 4-channel latents patchified 2x2 (16 in-channels), inner dim 4 x 32 = 128."""
+    from diffusers import Flux2Transformer2DModel
+
+    return Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=layers,
+        num_single_layers=single_layers,
+        attention_head_dim=32,
+        num_attention_heads=4,
+        joint_attention_dim=len(TEXT_ENCODER_OUT_LAYERS) * TEXT_HIDDEN,
+        timestep_guidance_channels=256,
+        mlp_ratio=3.0,
+        axes_dims_rope=(8, 8, 8, 8),
+        rope_theta=2000,
+        guidance_embeds=False,
+    )
+
+
+def build_scheduler():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
+
+
+def fresh_pipeline(layers: int, single_layers: int):
+    """Tokenizer and untrained models assembled into a Flux2KleinPipeline; returns (pipe, parameter counts)."""
+    from diffusers import Flux2KleinPipeline
+
+    with _phase("tokenizers"), tempfile.TemporaryDirectory() as tmp:
+        tokenizer = build_qwen_tokenizer(Path(tmp) / "qwen")
+    with _phase("models"):
+        text_encoder = build_text_encoder(tokenizer)
+        vae = build_vae()
+        transformer = build_transformer(layers, single_layers)
+        pipe = Flux2KleinPipeline(
+            scheduler=build_scheduler(),
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            transformer=transformer,
+            is_distilled=False,
+        )
+        pipe.set_progress_bar_config(disable=True)
+        n_params = build_tiny.parameter_counts(dict(transformer=transformer, vae=vae, text_encoder=text_encoder))
+    return pipe, n_params
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Latents and training
+
+
+def _patchify(z: torch.Tensor) -> torch.Tensor:
+    from diffusers import Flux2KleinPipeline
+
+    return Flux2KleinPipeline._patchify_latents(z)
+
+
+@torch.no_grad()
+def set_bn_statistics(vae, generator: torch.Generator, n: int = 512) -> dict[str, list[float]]:
+    """Set `vae.bn`'s running mean / variance to those of patchified posterior means of n world renders.
+
+    The pipeline normalises latents as (z - running_mean) / sqrt(running_var + eps) (per patchified channel) and
+    undoes it before decoding, so normalised latents then have mean 0 and variance ~1 per channel.
+    """
+    x = build_tiny.random_renders(n, generator)
+    z = _patchify(torch.cat([vae.encode(c).latent_dist.mean for c in x.split(128)]))
+    vae.bn.running_mean.copy_(z.mean((0, 2, 3)))
+    vae.bn.running_var.copy_(z.var((0, 2, 3)))
+    vae.bn.num_batches_tracked.fill_(1)
+    return kept_bn_statistics(vae)
+
+
+def kept_bn_statistics(vae) -> dict[str, list[float]]:
+    return {
+        "running_mean": [round(v, 4) for v in vae.bn.running_mean.tolist()],
+        "running_var": [round(v, 4) for v in vae.bn.running_var.tolist()],
+    }
+
+
+@torch.no_grad()
+def encode_latents(pipe, images: torch.Tensor) -> torch.Tensor:
+    """Images [B, 3, H, W] in [0, 1] -> packed, normalised latents [B, (H/8)(W/8), 16] (`_encode_vae_image`: the
+    posterior mode, patchified, bn-normalised; then `_pack_latents`), what the transformer sees."""
+    z = torch.cat([pipe._encode_vae_image(c * 2 - 1, generator=None) for c in images.split(128)])
+    return pipe._pack_latents(z)
+
+
+def latent_ids(pipe) -> torch.Tensor:
+    """The pipeline's (T, H, W, L) position ids of a 64 px image's latent tokens: [1, 64, 4]."""
+    side = 2 * (RESOLUTION // (pipe.vae_scale_factor * 2)) // 2
+    return pipe._prepare_latent_ids(torch.zeros(1, 1, side, side))
+
+
+@torch.no_grad()
+def prompt_embeddings(pipe, prompts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pipe.encode_prompt` of prompts, in chunks (the text encoder runs over max_sequence_length tokens each):
+    (embeds [B, L, 96], text ids [1, L, 4])."""
+    embeds, text_ids = [], None
+    for i in range(0, len(prompts), 16):
+        e, text_ids = pipe.encode_prompt(
+            prompts[i : i + 16], device=torch.device("cpu"), max_sequence_length=max_sequence_length
+        )
+        embeds.append(e)
+    return torch.cat(embeds), text_ids[:1]
+
+
+def train_transformer(
+    pipe,
+    steps: int,
+    batch: int,
+    lr: float,
+    shift: float,
+    images_per_prompt: int,
+    generator: torch.Generator,
+    cfg_dropout: float = 0.1,
+    long_text_every: int = 8,
+) -> None:
+    """Rectified-flow pretraining (`build_tiny.flow_matching`) of `pipe.transformer` on every world prompt.
+
+    Conditioned as `Flux2KleinPipeline.__call__` conditions the transformer (see the module docstring). A
+    `cfg_dropout` share of the samples get the empty prompt (CFG's negative prompt); every `long_text_every`-th step
+    (0: never) the first batch/8 samples get the 512-token encoding of their prompt (the pipeline's default length),
+    the others the 32-token one. Both draws come after the batch's own, from the same generator.
+    """
+    transformer = pipe.transformer
+    prompts = world.all_prompts()
+    empty = len(prompts)  # index of "" in the embeddings
+    short, short_ids = prompt_embeddings(pipe, prompts + [""], MAX_SEQUENCE_LENGTH)
+    long = long_ids = None
+    if long_text_every:
+        long, long_ids = prompt_embeddings(pipe, prompts + [""], PIPELINE_MAX_SEQUENCE_LENGTH)
+    latents, pool_index = build_tiny.latent_pool(
+        prompts, images_per_prompt, lambda x: encode_latents(pipe, x), generator
+    )
+    img_ids = latent_ids(pipe)
+    n_long = max(1, batch // 8)
+
+    def call(xt, sigma, embeds, text_ids):
+        return transformer(
+            hidden_states=xt,
+            timestep=sigma,
+            guidance=None,
+            encoder_hidden_states=embeds,
+            txt_ids=text_ids,
+            img_ids=img_ids,
+            return_dict=False,
+        )[0]
+
+    def predict(xt, sigma, cond, step):
+        drop = torch.rand(len(cond), generator=generator) < cfg_dropout
+        cond = torch.where(drop, torch.full_like(cond, empty), cond)
+        if long_text_every and step % long_text_every == long_text_every - 1:
+            k = min(n_long, len(cond))
+            head = call(xt[:k], sigma[:k], long[cond[:k]], long_ids)
+            if k == len(cond):
+                return head
+            return torch.cat([head, call(xt[k:], sigma[k:], short[cond[k:]], short_ids)])
+        return call(xt, sigma, short[cond], short_ids)
+
+    build_tiny.flow_matching(transformer, latents, pool_index, predict, steps, batch, lr, shift, generator)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Evaluation
+
+
+def sample_scores(pipe, prompts: list[str], steps: int, seeds: list[int], **call) -> torch.Tensor:
+    """World scores of samples as the project samples the model: guidance 1 (no CFG), length 32."""
+    kwargs = dict(guidance_scale=GUIDANCE, max_sequence_length=MAX_SEQUENCE_LENGTH)
+    return build_tiny.score_samples(pipe, prompts, steps, seeds, **{**kwargs, **call})
+
+
+def eval_extra(pipe, prompts: list[str], steps: int, seeds: list[int]) -> dict:
+    """The eval's samples under other settings: the pipeline's default length (512) and guidance (CFG 4), 4 steps
+    (klein distilled's count)."""
+    settings = {
+        "max_sequence_length_512": dict(max_sequence_length=PIPELINE_MAX_SEQUENCE_LENGTH),
+        "cfg_guidance_4": dict(guidance_scale=CFG_GUIDANCE),
+        "num_inference_steps_4": dict(steps=4),
+    }
+    out = {"guidance_scale": GUIDANCE, "max_sequence_length": MAX_SEQUENCE_LENGTH}
+    for name, s in settings.items():
+        s = dict(s)
+        n = s.pop("steps", steps)
+        out[f"sample_score_mean_{name}"] = round(sample_scores(pipe, prompts, n, seeds, **s).mean().item(), 4)
+    return out
+
+
+def family(cfg_dropout: float = 0.1, long_text_every: int = 8) -> build_tiny.Family:
+    """The FLUX.2 [klein] `build_tiny.Family`, with its training options."""
+    return build_tiny.Family(
+        name="flux2",
+        pipeline="Flux2KleinPipeline",
+        fresh=fresh_pipeline,
+        stats_key="vae_bn",
+        set_latent_stats=set_bn_statistics,
+        kept_latent_stats=kept_bn_statistics,
+        train_transformer=train_transformer,
+        sample_scores=sample_scores,
+        options={"cfg_dropout": cfg_dropout, "long_text_every": long_text_every},
+        eval_extra=eval_extra,
+    )
