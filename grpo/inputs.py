@@ -118,6 +118,17 @@ def check_lora_targets_on_config(model_path: str, targets: list[str]) -> None:
     check_lora_targets(family_of(model_path).meta_transformer(model_path), targets)
 
 
+def check_guidance(model_path: str, guidance: float) -> None:
+    """A transformer without a guidance embedding (FLUX.2 [klein], FLUX.1-schnell) samples here without classifier-
+    free guidance, so a guidance other than 1 would be silently ignored: refused instead."""
+    family = family_of(model_path)
+    config = family.transformer_class().load_config(Path(model_path) / "transformer")
+    defaults = family.meta_transformer(model_path).config if "guidance_embeds" not in config else config
+    if not defaults["guidance_embeds"] and guidance != 1.0:
+        raise ConfigError(f"sampling.guidance: {guidance}, but {model_path} has no guidance embedding and the recipe "
+                          "samples without classifier-free guidance; set sampling.guidance=1.0")
+
+
 def check_output_dir(path: str) -> None:
     """output_dir can be created and written: no file in its way, a writable folder (probed, then removed)."""
     out = Path(path)
@@ -149,6 +160,7 @@ def check_inputs(cfg: RecipeConfig, world_size: int) -> Inputs:
     ds_config = load_ds_config(cfg.deepspeed.config, cfg, layout)
     if cfg.lora is not None:
         check_lora_targets_on_config(model_path, cfg.lora.target_modules)
+    check_guidance(model_path, cfg.sampling.guidance)
     prompts.read_prompt_file(cfg.data.train_prompts, "data.train_prompts")
     if cfg.data.eval_prompts:
         prompts.read_prompt_file(cfg.data.eval_prompts, "data.eval_prompts")

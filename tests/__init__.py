@@ -7,6 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = Path(os.environ.get("GRPO_TINY_MODEL", ROOT / "assets" / "tiny-flux"))
+TINY_FLUX2 = ROOT / "assets" / "tiny-flux2"  # the FLUX.2 [klein] tiny world (python -m tools.build_tiny --family flux2)
 
 
 def snapshot(path: Path) -> dict | None:

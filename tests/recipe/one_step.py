@@ -16,7 +16,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from grpo.config import load_config  # noqa: E402
-from grpo.models.flux1 import FLUX1  # noqa: E402
 from tools._recipe import load_recipe  # noqa: E402
 
 
@@ -43,10 +42,11 @@ def main() -> None:
     with torch.no_grad():
         if recipe.cfg.lora is not None:
             recipe.engine.module.disable_adapters()
-            disabled = FLUX1.velocity(recipe.engine.module, x, t, chunk.cond)
+            velocity = recipe.family.velocity
+            disabled = velocity(recipe.engine.module, x, t, chunk.cond)
             recipe.engine.module.enable_adapters()
-            enabled = FLUX1.velocity(recipe.engine.module, x, t, chunk.cond)
-            base = FLUX1.velocity(FLUX1.load_transformer(recipe.model_path, recipe.dtype), x, t, chunk.cond)
+            enabled = velocity(recipe.engine.module, x, t, chunk.cond)
+            base = velocity(recipe.family.load_transformer(recipe.model_path, recipe.dtype), x, t, chunk.cond)
             result.update(lora_disabled=disabled.cpu(), lora_enabled=enabled.cpu(), base=base.cpu())
         if recipe.reference is not None:
             params = list(recipe.reference.module.parameters())

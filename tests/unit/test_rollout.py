@@ -29,7 +29,8 @@ def inputs(pipe):
     parts = FLUX1.load_parts(str(TINY))
     size = parts.latent_size(RES)
     noise = torch.randn(len(prompts), parts.transformer.config.in_channels // 4, size, size)
-    cond = FLUX1.conditioning({"prompt_embeds": embeds, "pooled": pooled}, size, 3.5, True, torch.device("cpu"), torch.float32)
+    cond = FLUX1.conditioning({"prompt_embeds": embeds, "pooled": pooled}, size, 3.5, True, torch.device("cpu"),
+                              torch.float32)
     return parts, embeds, pooled, noise, cond
 
 

@@ -11,10 +11,11 @@ import torch
 from grpo.tiny import world
 from tools import build_tiny
 from tools import build_tiny_flux2 as flux2
+from tests import TINY_FLUX2
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-ASSET = Path(__file__).resolve().parents[2] / "assets" / "tiny-flux2"
+ASSET = TINY_FLUX2
 QUICK = dict(vae_steps=0, decoder_steps=0, transformer_steps=0, eval_seeds=0, latent_stat_images=16)
 
 

@@ -1,0 +1,102 @@
+"""The recipe on the tiny FLUX.2 [klein] world (assets/tiny-flux2) under ZeRO-3: exact first-pass ratio, the same
+run on 1 and 2 processes, an exact resume, and exports that load into diffusers' own FLUX.2 classes.
+
+Five short runs of the real recipe through torchrun (8 images a step, 4 steps a trajectory):
+
+    two     grpo + LoRA, 3 steps, 2 processes, a checkpoint every step
+    one     the same on 1 process
+    resumed 2 processes from two's step-1 checkpoint to step 3
+    full    grpo, full fine-tune, 1 step, 2 processes
+    nft     DiffusionNFT + LoRA (the lagging policy), 2 steps, 2 processes
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import ROOT, TINY_FLUX2
+from tests.recipe.launch import SMALL, max_abs_diff, run_recipe, train_rows, trained_weights
+
+pytestmark = pytest.mark.skipif(not (TINY_FLUX2 / "model_index.json").exists(), reason="tiny FLUX.2 not built")
+TIMED = ("step_time_s", "samples_per_s")  # wall-clock columns of metrics.jsonl
+GRPO, FULL, NFT = (f"recipes/configs/tiny_flux2/{n}.yaml" for n in ("grpo_lora", "grpo_full", "nft_lora"))
+
+
+def _run(tmp, name: str, config: str, nproc: int, extra: list[str]) -> dict:
+    out = tmp / name
+    overrides = [*SMALL, f"model.path={TINY_FLUX2}", f"output_dir={out}", f"data.cache_dir={tmp / 'cache'}",
+                 "logging.eval_every=0", "logging.sample_every=0", "logging.tensorboard=false", *extra]
+    proc = run_recipe(str(ROOT / config), overrides, nproc)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {"dir": out, "rows": [r for r in train_rows(out) if "loss" in r]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("flux2")
+    grpo = ["max_steps=3", "checkpoint.every=1", "checkpoint.keep=3", "optim.lr=1e-2"]
+    two = _run(tmp, "two", GRPO, 2, grpo)
+    return {
+        "two": two,
+        "one": _run(tmp, "one", GRPO, 1, grpo),
+        "resumed": _run(tmp, "resumed", GRPO, 2, [*grpo, f"checkpoint.resume={two['dir']}/checkpoints/step_00000001"]),
+        "full": _run(tmp, "full", FULL, 2, ["max_steps=1", "checkpoint.every=1", "optim.lr=1e-3"]),
+        "nft": _run(tmp, "nft", NFT, 2, ["max_steps=2", "checkpoint.every=0"]),
+    }
+
+
+def test_the_first_pass_ratio_is_exactly_one(runs):
+    assert [r["ratio_max_dev"] for r in runs["two"]["rows"]] == [0.0, 0.0, 0.0]
+    assert [r["ratio_max_dev"] for r in runs["full"]["rows"]] == [0.0]
+
+
+def test_one_and_two_processes_train_the_same(runs):
+    one, two = runs["one"]["rows"], runs["two"]["rows"]
+    assert len(one) == len(two) == 3
+    for a, b in zip(one, two):
+        for key in ("reward_mean", "loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-9), (a["step"], key)
+    w1 = trained_weights(runs["one"]["dir"] / "checkpoints" / "step_00000003", "model")
+    w2 = trained_weights(runs["two"]["dir"] / "checkpoints" / "step_00000003", "model")
+    assert all((w2[k] - w1[k]).norm() <= 1e-3 * w1[k].norm() for k in w1)
+
+
+def test_a_resumed_run_ends_where_the_uninterrupted_one_does(runs):
+    two, resumed = runs["two"], runs["resumed"]
+    assert [r["step"] for r in resumed["rows"]] == [1, 2]
+    untimed = lambda r: {k: v for k, v in r.items() if not k.startswith("time/") and k not in TIMED}  # noqa: E731
+    assert [untimed(r) for r in resumed["rows"]] == [untimed(r) for r in two["rows"][1:]]
+    last = "checkpoints/step_00000003"
+    assert max_abs_diff(trained_weights(resumed["dir"] / last, "model"), trained_weights(two["dir"] / last, "model")) == 0
+
+
+def _images(pipe) -> torch.Tensor:
+    with torch.no_grad():
+        return pipe(prompt=["a red circle on a blue background"] * 2, height=64, width=64, num_inference_steps=4,
+                    guidance_scale=1.0, max_sequence_length=32, output_type="pt",
+                    generator=[torch.Generator().manual_seed(i) for i in range(2)]).images.float()
+
+
+def test_the_lora_loads_into_flux2_klein_and_changes_the_image(runs):
+    from diffusers import Flux2KleinPipeline
+
+    pipe = Flux2KleinPipeline.from_pretrained(str(TINY_FLUX2), dtype=torch.float32)
+    base = _images(pipe)
+    pipe.load_lora_weights(str(runs["two"]["dir"] / "final" / "lora"))
+    assert (_images(pipe) - base).abs().max() > 1e-3
+
+
+def test_the_full_export_loads_as_a_flux2_transformer(runs):
+    from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
+
+    trained = Flux2Transformer2DModel.from_pretrained(str(runs["full"]["dir"] / "final" / "transformer"))
+    base = _images(Flux2KleinPipeline.from_pretrained(str(TINY_FLUX2), dtype=torch.float32))
+    tuned = _images(Flux2KleinPipeline.from_pretrained(str(TINY_FLUX2), transformer=trained, dtype=torch.float32))
+    assert (tuned - base).abs().max() > 1e-4
+
+
+def test_nft_trains_flux2_with_its_lagging_policy(runs):
+    rows = runs["nft"]["rows"]
+    assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    assert (runs["nft"]["dir"] / "final" / "lora" / "pytorch_lora_weights.safetensors").is_file()

@@ -1,0 +1,70 @@
+"""The sampler on FLUX.2 [klein] against diffusers' own Flux2KleinPipeline (the tiny FLUX.2 world), through the
+same model-family layer and preset path the recipe uses."""
+
+import pytest
+import torch
+from diffusers import Flux2KleinPipeline
+
+from grpo.config import load_config
+from grpo.models import family_of
+from grpo.models.flux2 import FLUX2_KLEIN
+from grpo.prompts import PromptCache
+from grpo.rollout import FluxSampler
+from tests import ROOT, TINY_FLUX2
+
+pytestmark = pytest.mark.skipif(not (TINY_FLUX2 / "model_index.json").exists(), reason="tiny FLUX.2 not built")
+PROMPTS = ["a red circle on a blue background", "a green square on a yellow background",
+           "a cyan triangle on the left on a magenta background"]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = load_config(ROOT / "recipes/configs/tiny_flux2/grpo_lora.yaml", ["sampling.shift=dynamic"])
+    parts = FLUX2_KLEIN.load_parts(str(TINY_FLUX2))
+    sampler = FluxSampler.from_parts(parts, parts.vae, cfg.sampling, cfg.seed, torch.device("cpu"), torch.float32)
+    cache = PromptCache(PROMPTS, FLUX2_KLEIN.encode_prompts(str(TINY_FLUX2), PROMPTS, cfg.data.max_sequence_length,
+                                                            torch.device("cpu")))
+    return cfg, parts, sampler, cache
+
+
+def test_the_folder_is_flux2():
+    assert family_of(TINY_FLUX2) is FLUX2_KLEIN
+
+
+def test_ode_rollout_reproduces_flux2_klein_pipeline(setup):
+    cfg, parts, sampler, cache = setup
+    ids = list(range(len(PROMPTS)))
+    init = sampler.initial_latents(0, ids)
+    traj = sampler.sample(parts.transformer, sampler.conditioning(cache, ids), init, eta=0.0)
+    ours = sampler.decode(traj.x0)
+    # The pipeline draws its noise patchified, [B, 4C, h/2, w/2]: the same numbers, unpacked.
+    side = sampler.latent_size // 2
+    noise = init.cpu().permute(0, 2, 1).reshape(len(ids), -1, side, side)
+    pipe = Flux2KleinPipeline.from_pretrained(str(TINY_FLUX2), dtype=torch.float32)
+    with torch.no_grad():
+        expected = pipe(prompt_embeds=cache.embeds["prompt_embeds"], latents=noise, height=64, width=64,
+                        num_inference_steps=cfg.sampling.num_steps, guidance_scale=1.0, output_type="pt").images
+    assert ours.shape == expected.shape == (3, 3, 64, 64)
+    torch.testing.assert_close(ours, expected.float(), atol=1e-5, rtol=0)
+
+
+def test_the_encoding_is_the_pipelines_at_the_presets_length(setup):
+    cfg, parts, sampler, cache = setup
+    pipe = Flux2KleinPipeline.from_pretrained(str(TINY_FLUX2), transformer=None, vae=None, dtype=torch.float32)
+    embeds, text_ids = pipe.encode_prompt(PROMPTS, device=torch.device("cpu"),
+                                          max_sequence_length=cfg.data.max_sequence_length)
+    assert torch.equal(cache.embeds["prompt_embeds"], embeds)
+    cond = sampler.conditioning(cache, [0, 1])
+    assert torch.equal(cond.txt_ids, text_ids[0]) and cond.pooled is None and cond.guidance is None
+
+
+def test_a_guidance_the_model_cannot_take_is_refused():
+    from grpo.errors import ConfigError
+    from grpo.inputs import check_guidance
+    from tests import TINY
+
+    check_guidance(str(TINY_FLUX2), 1.0)
+    check_guidance(str(TINY), 3.5)  # FLUX.1's guidance embedding takes it
+    with pytest.raises(ConfigError, match=r"^sampling.guidance: 3.5, but .* has no guidance embedding .* set "
+                                          r"sampling.guidance=1.0$"):
+        check_guidance(str(TINY_FLUX2), 3.5)
