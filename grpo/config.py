@@ -66,12 +66,17 @@ LORA_SWITCH_DEFAULTS = {"rank": 8, "alpha": 16.0, "dropout": 0.0, "init": "gauss
 
 @dataclass(kw_only=True)
 class DataConfig:
-    train_prompts: str = setting(help="your prompt file, a text file with one training prompt per line (the FLUX.1-dev "
-                                      "presets name none: add data.train_prompts=PATH to the command)", path=True)
+    train_prompts: str = setting(help="your prompt file, a text file with one training prompt per line (the presets "
+                                      "of real models name none: add data.train_prompts=PATH to the command)",
+                                 path=True)
     eval_prompts: str | None = setting(resume=FREE, path=True, help="held-out prompt file; null = no eval")
     cache_dir: str = setting(resume=FREE, path=True,
                              help="precomputed prompt embeddings (safetensors), keyed by model + prompts")
-    max_sequence_length: int = setting(help="T5 tokens per prompt; FLUX.1-dev uses 512")
+    max_sequence_length: int = setting(help="text-encoder tokens per prompt (T5 for FLUX.1, Qwen3/Mistral for FLUX.2); "
+                                            "the pipelines use 512")
+    text_encoder_dtype: str = setting(choices=("fp32", "bf16", "fp16"),
+                                      help="dtype the prompts are encoded in (once, into the cache): bf16 for FLUX.2 "
+                                           "[dev]'s 24 B encoder (48 GB instead of 96)")
 
 
 @dataclass(kw_only=True)

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from grpo.config import DataConfig
+from grpo.device import resolve_dtype
 from grpo.errors import ConfigError
 from grpo.models import family_of
 
@@ -42,7 +44,7 @@ def read_prompt_file(path: str | Path, setting: str = "data.train_prompts") -> l
 
 
 def cache_file(cache_dir: str | Path, model_path: str, prompts: list[str], max_sequence_length: int,
-               stem: str) -> Path:
+               stem: str, dtype: str = "fp32") -> Path:
     # The text encoders' file stats are in the key too: a rebuilt model at the same path gets a fresh cache.
     stats = sorted(
         (str(f.relative_to(model_path)), f.stat().st_size, f.stat().st_mtime_ns)
@@ -50,7 +52,9 @@ def cache_file(cache_dir: str | Path, model_path: str, prompts: list[str], max_s
         for f in (Path(model_path) / sub).glob("*")
         if f.is_file()
     )
-    key = json.dumps([model_path, max_sequence_length, prompts, stats]).encode()
+    # The encoder's dtype joins the key only when it is not fp32, so fp32 caches keep the names they had before
+    # data.text_encoder_dtype existed.
+    key = json.dumps([model_path, max_sequence_length, prompts, stats, *([dtype] if dtype != "fp32" else [])]).encode()
     return Path(cache_dir) / f"{stem}-{hashlib.sha256(key).hexdigest()[:12]}.safetensors"
 
 
@@ -94,12 +98,14 @@ def load_cache(path: str | Path) -> PromptCache:
     return PromptCache(prompts, load_file(str(path)))
 
 
-def ensure_cache(model_path: str, prompt_file: str, setting: str, cache_dir: str, max_sequence_length: int,
-                 device: torch.device) -> Path:
-    """Return the cache file for `prompt_file`, encoding it first if it is not there yet."""
+def ensure_cache(model_path: str, prompt_file: str, setting: str, data: DataConfig, device: torch.device) -> Path:
+    """Return the cache file for `prompt_file` under the preset's `data:` settings, encoding it first if it is not
+    there yet."""
     prompts = read_prompt_file(prompt_file, setting)
-    path = cache_file(cache_dir, model_path, prompts, max_sequence_length, Path(prompt_file).stem)
+    path = cache_file(data.cache_dir, model_path, prompts, data.max_sequence_length, Path(prompt_file).stem,
+                      data.text_encoder_dtype)
     if not path.is_file():
         log.info("encoding %d prompts of %s into %s", len(prompts), prompt_file, path)
-        save_cache(encode(model_path, prompts, max_sequence_length, device), path)
+        save_cache(encode(model_path, prompts, data.max_sequence_length, device,
+                          dtype=resolve_dtype(data.text_encoder_dtype)), path)
     return path

@@ -173,10 +173,9 @@ class FluxGRPORecipe:
         paths = {}
         for name, (prompt_file, setting) in files.items():
             if self.rank == 0:
-                ensure_cache(self.model_path, prompt_file, setting, d.cache_dir, d.max_sequence_length, self.device)
+                ensure_cache(self.model_path, prompt_file, setting, d, self.device)
             dist.barrier()
-            paths[name] = ensure_cache(self.model_path, prompt_file, setting, d.cache_dir, d.max_sequence_length,
-                                       self.device)
+            paths[name] = ensure_cache(self.model_path, prompt_file, setting, d, self.device)
         self.train_prompts = load_cache(paths["train"])
         self.eval_prompts = load_cache(paths["eval"]) if "eval" in paths else None
 

@@ -84,9 +84,9 @@ def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weight
     state, meta = trained_weights(found, weights) if found is not None else (None, None)
 
     device = dev.device_for_local_rank(0)
-    cache = load_cache(ensure_cache(model_path, cfg.data.eval_prompts, "data.eval_prompts", cfg.data.cache_dir,
-                                    cfg.data.max_sequence_length, device))
-    parts = family_of(model_path).load_parts(model_path, vae_dtype=dev.resolve_dtype(cfg.model.dtype), transformer_dtype=dtype)
+    cache = load_cache(ensure_cache(model_path, cfg.data.eval_prompts, "data.eval_prompts", cfg.data, device))
+    parts = family_of(model_path).load_parts(model_path, vae_dtype=dev.resolve_dtype(cfg.model.dtype),
+                                             transformer_dtype=dtype)
     model = parts.transformer.to(device).eval()
     dev.set_attention_backend(model, cfg.model.attention_backend)
     sampler = FluxSampler.from_parts(parts, parts.vae.to(device), cfg.sampling, cfg.seed, device, dtype)

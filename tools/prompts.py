@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         model_path = resolve_model_path(cfg.model.path, cfg.model.revision)
         device = device_for_local_rank(0)  # NPU, GPU or CPU, as the recipe picks it
         files = [("data.train_prompts", cfg.data.train_prompts), ("data.eval_prompts", cfg.data.eval_prompts)]
-        return "\n".join(str(ensure_cache(model_path, f, setting, cfg.data.cache_dir, cfg.data.max_sequence_length,
-                                          device)) for setting, f in files if f)
+        return "\n".join(str(ensure_cache(model_path, f, setting, cfg.data, device))
+                         for setting, f in files if f)
 
     return run_command(body)
 

@@ -68,7 +68,8 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(runs):
     untimed = lambda r: {k: v for k, v in r.items() if not k.startswith("time/") and k not in TIMED}  # noqa: E731
     assert [untimed(r) for r in resumed["rows"]] == [untimed(r) for r in two["rows"][1:]]
     last = "checkpoints/step_00000003"
-    assert max_abs_diff(trained_weights(resumed["dir"] / last, "model"), trained_weights(two["dir"] / last, "model")) == 0
+    weights = [trained_weights(run["dir"] / last, "model") for run in (resumed, two)]
+    assert max_abs_diff(*weights) == 0
 
 
 def _images(pipe) -> torch.Tensor:

@@ -68,3 +68,41 @@ def test_a_guidance_the_model_cannot_take_is_refused():
     with pytest.raises(ConfigError, match=r"^sampling.guidance: 3.5, but .* has no guidance embedding .* set "
                                           r"sampling.guidance=1.0$"):
         check_guidance(str(TINY_FLUX2), 3.5)
+
+
+def test_the_attention_backend_reaches_every_flux2_processor():
+    """model.attention_backend (e.g. _native_npu on Ascend) goes through diffusers' dispatcher: FLUX.2's double-block
+    and fused single-block attention both take it."""
+    from grpo.device import set_attention_backend
+
+    model = FLUX2_KLEIN.load_transformer(str(TINY_FLUX2))
+    assert set_attention_backend(model, "_native_math") == "_native_math"
+    processors = {type(m.processor).__name__: str(getattr(m.processor._attention_backend, "value",
+                                                          m.processor._attention_backend))
+                  for m in model.modules() if hasattr(m, "processor")}
+    assert processors == {"Flux2AttnProcessor": "_native_math", "Flux2ParallelSelfAttnProcessor": "_native_math"}
+
+
+def test_the_encoding_dtype_keys_the_cache(tmp_path):
+    """data.text_encoder_dtype: a bf16 encoding (FLUX.2 [dev]'s 24 B encoder) is its own cache file; fp32 keeps the
+    file name it had before the setting existed."""
+    import dataclasses
+    import hashlib
+    import json
+
+    from grpo.prompts import cache_file, ensure_cache, load_cache
+
+    cfg = load_config(ROOT / "recipes/configs/tiny_flux2/grpo_lora.yaml", [f"data.cache_dir={tmp_path}"])
+    prompts_file = tmp_path / "p.txt"
+    prompts_file.write_text("\n".join(PROMPTS) + "\n")
+    fp32 = ensure_cache(str(TINY_FLUX2), str(prompts_file), "data.train_prompts", cfg.data, torch.device("cpu"))
+    bf16_data = dataclasses.replace(cfg.data, text_encoder_dtype="bf16")
+    bf16 = ensure_cache(str(TINY_FLUX2), str(prompts_file), "data.train_prompts", bf16_data, torch.device("cpu"))
+    assert fp32 != bf16 and fp32 == cache_file(tmp_path, str(TINY_FLUX2), PROMPTS, 32, "p")
+    stats = sorted((str(f.relative_to(TINY_FLUX2)), f.stat().st_size, f.stat().st_mtime_ns)
+                   for f in (TINY_FLUX2 / "text_encoder").glob("*") if f.is_file())
+    key = json.dumps([str(TINY_FLUX2), 32, PROMPTS, stats]).encode()  # the key before text_encoder_dtype
+    assert fp32.name == f"p-{hashlib.sha256(key).hexdigest()[:12]}.safetensors"
+    a, b = load_cache(fp32).embeds["prompt_embeds"], load_cache(bf16).embeds["prompt_embeds"]
+    assert a.dtype == b.dtype == torch.float32 and not torch.equal(a, b)
+    torch.testing.assert_close(b, a, rtol=5e-2, atol=5e-2)

@@ -56,7 +56,8 @@ def test_no_flux_class_outside_the_family_layer():
 def test_the_check_catches_each_form(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("from diffusers import FluxPipeline\nimport diffusers\ndiffusers.Flux2Transformer2DModel\n"
-                 "from diffusers.pipelines.flux.pipeline_flux import calculate_shift\ngetattr(diffusers, 'AutoencoderKL')\nFluxSampler.x\n")
+                 "from diffusers.pipelines.flux.pipeline_flux import calculate_shift\n"
+                 "getattr(diffusers, 'AutoencoderKL')\nFluxSampler.x\n")
     assert len(_named_flux(f)) == 4
 
 
@@ -75,8 +76,8 @@ def test_the_family_comes_from_model_index(tmp_path):
 
 
 @pytest.mark.parametrize("class_name, words", [
-    ("StableDiffusion3Pipeline", "is a StableDiffusion3Pipeline; supported pipelines: FluxPipeline, Flux2KleinPipeline, "
-                                 "Flux2Pipeline"),
+    ("StableDiffusion3Pipeline",
+     "is a StableDiffusion3Pipeline; supported pipelines: FluxPipeline, Flux2KleinPipeline, Flux2Pipeline"),
     (None, "model_index.json is missing or has no _class_name"),
 ])
 def test_an_unsupported_folder_is_one_line(tmp_path, class_name, words):
