@@ -23,8 +23,10 @@ from tools.align_report import FORMAT_VERSION, AlignError, save_dump
 
 logger = logging.getLogger(__name__)
 
-# Modules of a FluxTransformer2DModel whose outputs are recorded, in the order they run.
-EMBEDDERS = ("time_text_embed", "context_embedder", "x_embedder", "pos_embed")
+# Modules of a FLUX transformer whose outputs are recorded, in the order they run; those a family lacks are skipped
+# (FLUX.1: time_text_embed; FLUX.2: time_guidance_embed and the shared modulations of its double and single blocks).
+EMBEDDERS = ("time_text_embed", "time_guidance_embed", "double_stream_modulation_img", "double_stream_modulation_txt",
+             "single_stream_modulation", "context_embedder", "x_embedder", "pos_embed")
 HEADS = ("norm_out", "proj_out")
 BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
 
@@ -39,7 +41,7 @@ class BlockRecorder:
     kept element by element.
 
     Args:
-        model: The FluxTransformer2DModel (e.g. ``engine.module``; PEFT-injected LoRA keeps the module names).
+        model: The FLUX transformer (e.g. ``engine.module``; PEFT-injected LoRA keeps the module names).
         steps: Denoising steps to record, in [0, num_steps).
         num_steps: Transformer calls per micro-batch in the rollout.
         enabled: False on ranks that record nothing (the hooks are still cheap no-ops there).
@@ -108,7 +110,7 @@ def _flat(output: Any) -> Iterator[torch.Tensor]:
 
 
 def recorded_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The embedders, every block and the output head of a FluxTransformer2DModel, in execution order."""
+    """The embedders, every block and the output head of a FLUX.1 or FLUX.2 transformer, in execution order."""
     found = dict(model.named_modules())
     names = [n for n in EMBEDDERS if n in found]
     for blocks in BLOCK_LISTS:

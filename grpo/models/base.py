@@ -52,6 +52,12 @@ class Parts:
         return 2 * (resolution // (self.vae_scale_factor * 2))
 
 
+def _diffusers(name: str) -> type:
+    import diffusers
+
+    return getattr(diffusers, name)
+
+
 @functools.cache
 def _postprocess():
     from diffusers.image_processor import VaeImageProcessor
@@ -66,27 +72,28 @@ class ModelFamily:
     Attributes:
         name: the family's name in logs, errors and checkpoints' meta.json.
         pipelines: the ``model_index.json`` ``_class_name`` values it serves.
+        transformer, vae: the diffusers class names of its transformer and VAE.
         text_folders: subfolders of the text encoders (their file stats key the prompt-embedding cache).
         embed_keys: the tensors one prompt's cache entry holds.
     """
 
     name: str
     pipelines: tuple[str, ...]
+    transformer: str
+    vae: str
     text_folders: tuple[str, ...]
     embed_keys: tuple[str, ...]
 
     # -- loading ------------------------------------------------------------------------------------------------
     def transformer_class(self) -> type:
-        raise NotImplementedError
+        return _diffusers(self.transformer)
 
     def vae_class(self) -> type:
-        raise NotImplementedError
+        return _diffusers(self.vae)
 
     def pipeline_class(self) -> type:
         """The diffusers pipeline of this family's folders (its prompt encoding, static helpers, LoRA format)."""
-        import diffusers
-
-        return getattr(diffusers, self.pipelines[0])
+        return _diffusers(self.pipelines[0])
 
     def load_transformer(self, path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
         return self.transformer_class().from_pretrained(path, subfolder="transformer", dtype=dtype)
@@ -116,9 +123,22 @@ class ModelFamily:
         return Parts(self, transformer, vae, dict(scheduler.config), vsf)
 
     # -- prompts ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
     def encode_prompts(self, model_path: str, prompts: list[str], max_sequence_length: int, device: torch.device,
                        batch_size: int = 64, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-        """The pipeline's own prompt encoding of `prompts`: float32 CPU tensors named by `embed_keys`, [P, ...]."""
+        """The pipeline's own prompt encoding of `prompts`: float32 CPU tensors named by `embed_keys`, [P, ...]. The
+        text encoders are loaded in `dtype`, on `device`, and freed after."""
+        pipe = self.pipeline_class().from_pretrained(model_path, transformer=None, vae=None, dtype=dtype)
+        for folder in self.text_folders:
+            getattr(pipe, folder).to(device)
+        chunks = [self.encode_chunk(pipe, prompts[i : i + batch_size], max_sequence_length, device)
+                  for i in range(0, len(prompts), batch_size)]
+        del pipe
+        return {k: torch.cat([c[k].float().cpu() for c in chunks]) for k in self.embed_keys}
+
+    def encode_chunk(self, pipe, prompts: list[str], max_sequence_length: int,
+                     device: torch.device) -> dict[str, torch.Tensor]:
+        """One call of the pipeline's encode_prompt: the tensors named by `embed_keys`."""
         raise NotImplementedError
 
     # -- latents, conditioning, the transformer call ------------------------------------------------------------

@@ -13,30 +13,10 @@ from grpo.models.base import Conditioning, ModelFamily
 
 
 class Flux1(ModelFamily):
-    def transformer_class(self) -> type:
-        from diffusers import FluxTransformer2DModel
-
-        return FluxTransformer2DModel
-
-    def vae_class(self) -> type:
-        from diffusers import AutoencoderKL
-
-        return AutoencoderKL
-
-    @torch.no_grad()
-    def encode_prompts(self, model_path, prompts, max_sequence_length, device, batch_size=64, dtype=torch.float32):
-        """FluxPipeline.encode_prompt (CLIP pooled + T5 sequence); the text encoders are freed after."""
-        pipe = self.pipeline_class().from_pretrained(model_path, transformer=None, vae=None, dtype=dtype)
-        pipe.text_encoder.to(device)
-        pipe.text_encoder_2.to(device)
-        embeds, pooled = [], []
-        for i in range(0, len(prompts), batch_size):
-            chunk = prompts[i : i + batch_size]
-            e, p, _ = pipe.encode_prompt(chunk, chunk, device=device, max_sequence_length=max_sequence_length)
-            embeds.append(e.float().cpu())
-            pooled.append(p.float().cpu())
-        del pipe
-        return {"prompt_embeds": torch.cat(embeds), "pooled": torch.cat(pooled)}
+    def encode_chunk(self, pipe, prompts, max_sequence_length, device):
+        """FluxPipeline.encode_prompt: T5's sequence and CLIP's pooled embedding."""
+        embeds, pooled, _ = pipe.encode_prompt(prompts, prompts, device=device, max_sequence_length=max_sequence_length)
+        return {"prompt_embeds": embeds, "pooled": pooled}
 
     def noise_shape(self, latent_channels: int, latent_size: int) -> tuple[int, ...]:
         return (latent_channels, latent_size, latent_size)
@@ -101,5 +81,5 @@ class Flux1(ModelFamily):
                                c.get("base_shift", 0.5), c.get("max_shift", 1.15))
 
 
-FLUX1 = Flux1(name="flux1", pipelines=("FluxPipeline",), text_folders=("text_encoder", "text_encoder_2"),
-              embed_keys=("prompt_embeds", "pooled"))
+FLUX1 = Flux1(name="flux1", pipelines=("FluxPipeline",), transformer="FluxTransformer2DModel", vae="AutoencoderKL",
+              text_folders=("text_encoder", "text_encoder_2"), embed_keys=("prompt_embeds", "pooled"))

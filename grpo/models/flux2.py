@@ -15,28 +15,10 @@ from grpo.models.base import Conditioning, ModelFamily
 
 
 class Flux2(ModelFamily):
-    def transformer_class(self) -> type:
-        from diffusers import Flux2Transformer2DModel
-
-        return Flux2Transformer2DModel
-
-    def vae_class(self) -> type:
-        from diffusers import AutoencoderKLFlux2
-
-        return AutoencoderKLFlux2
-
-    @torch.no_grad()
-    def encode_prompts(self, model_path, prompts, max_sequence_length, device, batch_size=64, dtype=torch.float32):
+    def encode_chunk(self, pipe, prompts, max_sequence_length, device):
         """The pipeline's encode_prompt (klein: Qwen3 chat template, hidden states of layers 9, 18, 27 stacked)."""
-        pipe = self.pipeline_class().from_pretrained(model_path, transformer=None, vae=None, dtype=dtype)
-        pipe.text_encoder.to(device)
-        embeds = []
-        for i in range(0, len(prompts), batch_size):
-            chunk = prompts[i : i + batch_size]
-            e, _ = pipe.encode_prompt(chunk, device=device, max_sequence_length=max_sequence_length)
-            embeds.append(e.float().cpu())
-        del pipe
-        return {"prompt_embeds": torch.cat(embeds)}
+        embeds, _ = pipe.encode_prompt(prompts, device=device, max_sequence_length=max_sequence_length)
+        return {"prompt_embeds": embeds}
 
     def noise_shape(self, latent_channels: int, latent_size: int) -> tuple[int, ...]:
         # Flux2 pipelines draw the noise already patchified: [4C, h/2, w/2] (prepare_latents).
@@ -101,7 +83,7 @@ class Flux2(ModelFamily):
         return compute_empirical_mu(image_seq_len=image_seq_len, num_steps=num_steps)
 
 
-FLUX2_KLEIN = Flux2(name="flux2", pipelines=("Flux2KleinPipeline",), text_folders=("text_encoder",),
-                    embed_keys=("prompt_embeds",))
-FLUX2_DEV = Flux2(name="flux2", pipelines=("Flux2Pipeline",), text_folders=("text_encoder",),
-                  embed_keys=("prompt_embeds",))
+_FLUX2 = dict(name="flux2", transformer="Flux2Transformer2DModel", vae="AutoencoderKLFlux2",
+              text_folders=("text_encoder",), embed_keys=("prompt_embeds",))
+FLUX2_KLEIN = Flux2(pipelines=("Flux2KleinPipeline",), **_FLUX2)
+FLUX2_DEV = Flux2(pipelines=("Flux2Pipeline",), **_FLUX2)

@@ -239,3 +239,22 @@ def test_model_fingerprint_flags_different_weights(tmp_path: Path):
     c = compare(a, b)
     assert ("model_fingerprint", "1234", "abcd") in c.differences
     assert "different transformer weights" in format_table(c)
+
+
+@pytest.mark.slow
+def test_flux2_fp32_against_bf16(tmp_path: Path):
+    """The align tool on the tiny FLUX.2 [klein]: every block and FLUX.2's shared modulations recorded, bf16 against
+    fp32 finite and small."""
+    from tests import TINY_FLUX2
+
+    if not (TINY_FLUX2 / "model_index.json").exists():
+        pytest.skip("assets/tiny-flux2 not built")
+    common = [str(ROOT / "recipes/configs/tiny_flux2/grpo_lora.yaml"), *TINY_STEP, f"model.path={TINY_FLUX2}",
+              f"data.cache_dir={tmp_path / 'cache'}"]
+    assert align.main([*common, "--a", "deepspeed.config=ds_configs/zero3_fp32.json",
+                       "--b", "deepspeed.config=ds_configs/zero3.json", "--json", str(tmp_path / "c.json")]) == 0
+    report = json.loads((tmp_path / "c.json").read_text())
+    assert {"time_guidance_embed", "single_stream_modulation", "transformer_blocks.1",
+            "single_transformer_blocks.3"} <= set(report["blocks"])
+    assert 0 < report["reward_mean"]["rel"] < 0.05
+    assert all(math.isfinite(e["rel"]) for _, e in _all_errors(report))
