@@ -50,8 +50,9 @@ print(json.dumps({"leaves": leaves, "norms": norms, "same": all(torch.equal(x, y
 """
 
 
-@pytest.mark.parametrize("lora,checkpointing", [("full", "true"), ("full", "false"), ("lora", "true"),
-                                                ("lora", "false")])
+# The default suite keeps one full fine-tune case (its slowest, checkpointed, runs with -m slow: CI time).
+@pytest.mark.parametrize("lora,checkpointing", [pytest.param("full", "true", marks=pytest.mark.slow), ("full", "false"),
+                                                ("lora", "true"), ("lora", "false")])
 def test_block_fetch_trains_what_module_fetch_trains(lora, checkpointing):
     env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
            "PATH": "/usr/bin:/bin"}

@@ -27,7 +27,8 @@ def _run(tmp, config, out, extra):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-@pytest.fixture(scope="module", params=list(TERMS))
+# AWM's resume restores the same lagging-policy state as DiffusionNFT's (ShardedEMA): it runs with -m slow (CI time).
+@pytest.fixture(scope="module", params=[pytest.param(t, marks=pytest.mark.slow) if t == "awm" else t for t in TERMS])
 def runs(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     config = f"recipes/configs/tiny/{request.param}_lora.yaml"

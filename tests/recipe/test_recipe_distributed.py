@@ -96,7 +96,9 @@ PRESETS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(PRESETS))
+# MixGRPO-Flash* is MixGRPO-Flash with its window frozen: the same code paths, so it runs with -m slow (CI time).
+@pytest.fixture(scope="module", params=[pytest.param(k, marks=pytest.mark.slow) if k == "flash_frozen" else k
+                                        for k in PRESETS])
 def preset_runs(request, tmp_path_factory):
     preset, extra, _ = PRESETS[request.param]
     tmp = tmp_path_factory.mktemp(request.param)
