@@ -164,7 +164,15 @@ class ModelFamily:
 
         `timestep` is sigma (diffusers multiplies by 1000 inside); `latents` float32, cast to the model's dtype.
         """
-        raise NotImplementedError
+        dtype = cond.prompt_embeds.dtype
+        out = model(hidden_states=latents.to(dtype), timestep=timestep.to(dtype), guidance=cond.guidance,
+                    encoder_hidden_states=cond.prompt_embeds, txt_ids=cond.txt_ids, img_ids=cond.img_ids,
+                    return_dict=False, **self.extra_inputs(cond))[0]
+        return out.float()
+
+    def extra_inputs(self, cond: Conditioning) -> dict:
+        """The family's own transformer inputs beyond the shared ones (none by default)."""
+        return {}
 
     def velocity_of(self, model: torch.nn.Module):
         """:meth:`velocity` bound to `model`: the ``(x, timestep, cond) -> v`` the sampler calls."""

@@ -46,19 +46,8 @@ class Flux1(ModelFamily):
             guidance=torch.full((b,), guidance, device=device, dtype=torch.float32) if guidance_embeds else None,
         )
 
-    def velocity(self, model, latents, timestep, cond) -> torch.Tensor:
-        dtype = cond.prompt_embeds.dtype
-        out = model(
-            hidden_states=latents.to(dtype),
-            timestep=timestep.to(dtype),
-            guidance=cond.guidance,
-            pooled_projections=cond.pooled,
-            encoder_hidden_states=cond.prompt_embeds,
-            txt_ids=cond.txt_ids,
-            img_ids=cond.img_ids,
-            return_dict=False,
-        )[0]
-        return out.float()
+    def extra_inputs(self, cond: Conditioning) -> dict:
+        return {"pooled_projections": cond.pooled}  # CLIP's pooled prompt
 
     def example_inputs(self, config, batch, image_tokens, text_tokens, dtype, device="meta") -> dict:
         t = lambda *shape, dt=dtype: torch.randn(*shape, device=device).to(dt)  # noqa: E731

@@ -44,19 +44,6 @@ class Flux2(ModelFamily):
                       if guidance_embeds else None),
         )
 
-    def velocity(self, model, latents, timestep, cond) -> torch.Tensor:
-        dtype = cond.prompt_embeds.dtype
-        out = model(
-            hidden_states=latents.to(dtype),
-            timestep=timestep.to(dtype),
-            guidance=cond.guidance,
-            encoder_hidden_states=cond.prompt_embeds,
-            txt_ids=cond.txt_ids,
-            img_ids=cond.img_ids,
-            return_dict=False,
-        )[0]
-        return out.float()
-
     def example_inputs(self, config, batch, image_tokens, text_tokens, dtype, device="meta") -> dict:
         t = lambda *shape, dt=dtype: torch.randn(*shape, device=device).to(dt)  # noqa: E731
         ids = lambda n: torch.zeros(n, 4, device=device, dtype=torch.int64)  # noqa: E731
