@@ -50,8 +50,13 @@ print(json.dumps({"leaves": leaves, "norms": norms, "same": all(torch.equal(x, y
 """
 
 
-# The default suite keeps one full fine-tune case (its slowest, checkpointed, runs with -m slow: CI time).
-@pytest.mark.parametrize("lora,checkpointing", [pytest.param("full", "true", marks=pytest.mark.slow), ("full", "false"),
+# The full fine-tune cases run with -m slow (CI time): a full fine-tune with whole-block fetch is in the default suite
+# through tests/recipe/test_recipe_distributed.py (full_kl_runs), checked against 1 process there.
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("lora,checkpointing", [pytest.param("full", "true", marks=_SLOW),
+                                                pytest.param("full", "false", marks=_SLOW),
                                                 ("lora", "true"), ("lora", "false")])
 def test_block_fetch_trains_what_module_fetch_trains(lora, checkpointing):
     env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
