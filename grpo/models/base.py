@@ -70,7 +70,7 @@ class ModelFamily:
     """One family of pipelines: FLUX.1 (FluxPipeline) or FLUX.2 (Flux2Pipeline, Flux2KleinPipeline).
 
     Attributes:
-        name: the family's name in logs, errors and checkpoints' meta.json.
+        name: the family's name (flux1, flux2) in logs and errors.
         pipelines: the ``model_index.json`` ``_class_name`` values it serves.
         transformer, vae: the diffusers class names of its transformer and VAE.
         text_folders: subfolders of the text encoders (their file stats key the prompt-embedding cache).
