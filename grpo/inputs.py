@@ -121,10 +121,11 @@ def check_lora_targets_on_config(model_path: str, targets: list[str]) -> None:
 def check_guidance(model_path: str, guidance: float) -> None:
     """A transformer without a guidance embedding (FLUX.2 [klein], FLUX.1-schnell) samples here without classifier-
     free guidance, so a guidance other than 1 would be silently ignored: refused instead."""
-    family = family_of(model_path)
-    config = family.transformer_class().load_config(Path(model_path) / "transformer")
-    defaults = family.meta_transformer(model_path).config if "guidance_embeds" not in config else config
-    if not defaults["guidance_embeds"] and guidance != 1.0:
+    import inspect
+
+    cls = family_of(model_path).transformer_class()
+    default = inspect.signature(cls.__init__).parameters["guidance_embeds"].default  # a config.json may omit it
+    if not cls.load_config(Path(model_path) / "transformer").get("guidance_embeds", default) and guidance != 1.0:
         raise ConfigError(f"sampling.guidance: {guidance}, but {model_path} has no guidance embedding and the recipe "
                           "samples without classifier-free guidance; set sampling.guidance=1.0")
 
