@@ -8,7 +8,10 @@ baseline runs `--budget-steps` steps; each strategy runs as many steps as fit in
 held-out reward (eta = 0, the same fixed noise for every run, so the comparison is paired) is read every few steps.
 
     python benchmarks/time_to_reward.py [--budget-steps 40] [--only NAME ...] [--seeds 42 ...] [--eval-seeds N]
-                                        [--out runs/time_to_reward] [--reuse] [--smoke]
+                                        [--family flux1|flux2] [--out runs/time_to_reward] [--reuse] [--smoke]
+
+`--family flux2` runs the same presets on the tiny FLUX.2 [klein] world (assets/tiny-flux2) with FLUX.2's overlay
+(recipes/configs/tiny_flux2/base.yaml's own settings) laid over each.
 
 With several `--seeds` every strategy trains once per seed (each seed's evals are paired across strategies: the eval
 noise is a function of the seed) and the curves are averaged over the seeds before the headline is read; the gain each
@@ -39,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from grpo.config import load_config  # noqa: E402
 from grpo.rollout_plan import RolloutPlan  # noqa: E402
+from grpo.schema import own_overrides  # noqa: E402
 from tools.launch import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,6 +63,9 @@ STRATEGIES: dict[str, tuple[str, list[str], str]] = {
                 "DiffusionNFT, rollouts by DPM-Solver++(2M) in 3 calls (its source's solver)"),
     "awm": ("recipes/configs/tiny/awm_lora.yaml", [], "AWM: ODE rollouts, advantage-weighted matching"),
 }
+
+# What a family changes in the tiny presets (the FLUX.1 tiny world's presets are the strategies' own).
+FAMILIES = {"flux1": [], "flux2": own_overrides(ROOT / "recipes/configs/tiny_flux2/base.yaml")}
 
 SMOKE = ["batch.prompts_per_step=4", "sampling.group_size=2", "batch.micro_batch_size=4", "logging.eval_seeds=1",
          "logging.tensorboard=false", "logging.sample_every=0", "logging.progress=false"]
@@ -155,12 +162,14 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[42], help="training seeds; curves are averaged")
     parser.add_argument("--eval-seeds", type=int, default=None,
                         help="held-out images per prompt (default: the presets' logging.eval_seeds)")
+    parser.add_argument("--family", choices=list(FAMILIES), default="flux1",
+                        help="flux2: the tiny FLUX.2 [klein] world (assets/tiny-flux2) instead of tiny FLUX.1")
     parser.add_argument("--out", default="runs/time_to_reward")
     parser.add_argument("--reuse", action="store_true", help="keep finished runs found under --out")
     parser.add_argument("--smoke", action="store_true",
                         help="2 baseline steps on 8 images a step, baseline and MixGRPO-Flash only (tests the script)")
     args = parser.parse_args()
-    extra = SMOKE if args.smoke else []
+    extra = [*FAMILIES[args.family], *(SMOKE if args.smoke else [])]
     if args.eval_seeds is not None:
         extra = [*extra, f"logging.eval_seeds={args.eval_seeds}"]
     if args.smoke:

@@ -361,6 +361,21 @@ def read_preset(path: Path) -> dict[str, Any]:
     return raw
 
 
+def own_overrides(path: Path) -> list[str]:
+    """The settings preset `path` sets itself (not those of the preset it extends) as `section.key=value` overrides:
+    a family's overlay (recipes/configs/tiny_flux2/base.yaml: what FLUX.2 changes) laid over another family's preset,
+    as benchmarks/time_to_reward.py --family and the FLUX.2 strategy tests do."""
+    own = read_yaml(Path(path)) or {}
+    own.pop("extends", None)
+
+    def flat(node: dict[str, Any], prefix: str) -> list[str]:
+        return [item for key, value in node.items()
+                for item in (flat(value, f"{prefix}{key}.") if isinstance(value, dict)
+                             else [f"{prefix}{key}={_yaml_scalar(value)}"])]
+
+    return flat(own, "")
+
+
 def set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = raw

@@ -15,7 +15,7 @@ import yaml
 
 from grpo.config import dump_config, load_config, to_dict
 from grpo.errors import ConfigError
-from grpo.schema import merge, read_preset, read_yaml
+from grpo.schema import merge, own_overrides, read_preset, read_yaml
 from tools import check
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,6 +130,16 @@ def test_extends_chains_are_relative_to_the_file_and_overrides_apply_last(tmp_pa
     cfg = load_config(tmp_path / "sub/b.yaml", ["grpo.timestep_fraction=0.5"])
     assert (cfg.output_dir, cfg.grpo.clip_range, cfg.grpo.timestep_fraction, cfg.lora) == ("runs/b", 1e-5, 0.5, None)
     assert cfg.sampling.num_steps == 6  # from the base, two files up
+
+
+def test_a_family_overlay_laid_over_another_familys_preset_is_that_familys_preset():
+    """own_overrides: tiny_flux2/base.yaml's own settings over tiny/grpo_lora.yaml resolve to tiny_flux2/grpo_lora.yaml
+    (the FLUX.2 strategy tests and time_to_reward --family flux2 run the FLUX.1 strategy presets this way)."""
+    overlay = own_overrides(ROOT / "recipes/configs/tiny_flux2/base.yaml")
+    assert "model.path=assets/tiny-flux2" in overlay and not any(o.startswith("extends") for o in overlay)
+    laid = load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml", [*overlay, "output_dir=runs/tiny_flux2_grpo_lora"])
+    assert laid == load_config(ROOT / "recipes/configs/tiny_flux2/grpo_lora.yaml")
+    assert laid != load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml", ["output_dir=runs/tiny_flux2_grpo_lora"])
 
 
 def _refused(path: Path, capsys) -> str:
