@@ -56,6 +56,7 @@ def validate(cfg: RecipeConfig) -> None:
         raise ConfigError("rewards: empty; give at least one {name: weight}, e.g. {tiny_world: 1.0}")
     if cfg.data.max_sequence_length < 1:
         raise ConfigError("data.max_sequence_length: must be >= 1 (FLUX.1-dev uses 512)")
+    _validate_text_encoder_placement(cfg)
     gc = cfg.model.gradient_checkpointing
     if not isinstance(gc, bool) and gc < 0:
         raise ConfigError(f"model.gradient_checkpointing: {gc}; use true (all blocks), false, or k >= 1 (every k-th)")
@@ -65,6 +66,23 @@ def validate(cfg: RecipeConfig) -> None:
         _check_cpp_compiler()
     _validate_run_control(cfg)
     _validate_profile(cfg)
+
+
+def _validate_text_encoder_placement(cfg: RecipeConfig) -> None:
+    caps = cfg.data.text_encoder_max_memory
+    if caps is None:
+        return
+    if cfg.data.text_encoder_device_map is None:
+        raise ConfigError("data.text_encoder_max_memory: caps only what data.text_encoder_device_map places; set "
+                          "data.text_encoder_device_map=auto or data.text_encoder_max_memory=null")
+    from accelerate.utils import convert_file_size_to_int  # the parser the caps are given to
+
+    for name, size in (("device", caps.device), ("cpu", caps.cpu)):
+        try:
+            convert_file_size_to_int(0 if size is None else size)
+        except ValueError:
+            raise ConfigError(f"data.text_encoder_max_memory.{name}: {size!r} is not a size; write it like 16GiB, "
+                              "500MiB or 40GB") from None
 
 
 def _check_cpp_compiler() -> None:

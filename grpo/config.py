@@ -65,6 +65,14 @@ LORA_SWITCH_DEFAULTS = {"rank": 8, "alpha": 16.0, "dropout": 0.0, "init": "gauss
 
 
 @dataclass(kw_only=True)
+class MemoryCaps:
+    device: str | None = setting(None, help="weights on each accelerator, e.g. 16GiB, leaving the rest for the "
+                                            "activations; null = its free memory")
+    cpu: str | None = setting(None, help="weights in host RAM, e.g. 100GiB; the layers beyond go to disk; null = the "
+                                         "free RAM")
+
+
+@dataclass(kw_only=True)
 class DataConfig:
     train_prompts: str = setting(help="your prompt file, a text file with one training prompt per line (the presets "
                                       "of real models name none: add data.train_prompts=PATH to the command)",
@@ -77,6 +85,15 @@ class DataConfig:
     text_encoder_dtype: str = setting(choices=("fp32", "bf16", "fp16"),
                                       help="dtype the prompts are encoded in (once, into the cache): bf16 for FLUX.2 "
                                            "[dev]'s 24 B encoder (48 GB instead of 96)")
+    text_encoder_device_map: str | None = setting(
+        None, resume=FREE, choices=("auto", "balanced", "sequential"),
+        help="tools.prompts: each text encoder spread over the visible accelerators, then host RAM, then disk, by "
+             "transformers' device_map (auto = balanced; sequential fills one device first); null = all of it on the "
+             "recipe's device. Not in the cache key: the same embeddings")
+    text_encoder_max_memory: MemoryCaps | None = setting(
+        None, resume=FREE, help="caps for text_encoder_device_map, e.g. {device: 16GiB, cpu: 100GiB}; null = "
+                                "accelerate's defaults (what is free; auto and balanced leave 10% of a lone "
+                                "accelerator)")
 
 
 @dataclass(kw_only=True)

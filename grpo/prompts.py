@@ -8,19 +8,23 @@ model never reads a stale cache.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from grpo.config import DataConfig
-from grpo.device import resolve_dtype
+from grpo.config import DataConfig, MemoryCaps
+from grpo.device import accelerator, resolve_dtype
 from grpo.errors import ConfigError
 from grpo.models import family_of
+from grpo.models.base import Placement
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +78,25 @@ class PromptCache:
 
 
 def encode(model_path: str, prompts: list[str], max_sequence_length: int, device: torch.device,
-           batch_size: int = 64, dtype: torch.dtype = torch.float32) -> PromptCache:
+           batch_size: int = 64, dtype: torch.dtype = torch.float32, placement: Placement | None = None) -> PromptCache:
     """Encode prompts with the pipeline's own text encoders and encode_prompt (see grpo.models), then free them."""
     family = family_of(model_path)
     return PromptCache(prompts, family.encode_prompts(model_path, prompts, max_sequence_length, device,
-                                                      batch_size, dtype))
+                                                      batch_size, dtype, placement))
+
+
+def max_memory(caps: MemoryCaps | None) -> dict | None:
+    """accelerate's max_memory for data.text_encoder_max_memory: the device cap on every accelerator accelerate sees,
+    the cpu cap on host RAM. A cap left null keeps accelerate's default for it (the free memory); no caps at all
+    leave accelerate its own defaults (auto and balanced keep 10% of a lone accelerator free for the activations)."""
+    if caps is None:
+        return None
+    from accelerate.utils import get_max_memory
+
+    # Accelerate counts the accelerators itself (torch.cuda or torch.npu, honouring CUDA_/ASCEND_RT_VISIBLE_DEVICES)
+    # and names them by ordinal; on Ascend its dispatch hooks turn ordinal i into npu:i, the device tools.prompts
+    # encodes on being npu:0. A max_memory that named only the capped keys would give the others nothing.
+    return {key: (caps.cpu if key == "cpu" else caps.device) or free for key, free in get_max_memory().items()}
 
 
 def save_cache(cache: PromptCache, path: str | Path) -> None:
@@ -106,6 +124,28 @@ def ensure_cache(model_path: str, prompt_file: str, setting: str, data: DataConf
                       data.text_encoder_dtype)
     if not path.is_file():
         log.info("encoding %d prompts of %s into %s", len(prompts), prompt_file, path)
-        save_cache(encode(model_path, prompts, data.max_sequence_length, device,
-                          dtype=resolve_dtype(data.text_encoder_dtype)), path)
+        with _placement(data) as placement:
+            save_cache(encode(model_path, prompts, data.max_sequence_length, device,
+                              dtype=resolve_dtype(data.text_encoder_dtype), placement=placement), path)
     return path
+
+
+@contextlib.contextmanager
+def _placement(data: DataConfig) -> Iterator[Placement | None]:
+    """data.text_encoder_device_map's placement, with a folder for the layers that fit neither the accelerators nor
+    host RAM, removed after the encoding; None (the whole encoder on the recipe's device) when it is null.
+
+    transformers reads disk-placed weights straight from the checkpoint's safetensors files (cast to the dtype as
+    they are read), so the folder usually stays empty; it writes there only weights it cannot read in place (a .bin
+    checkpoint, weights its loader converts), a copy of no use once the cache exists. It lies under data.cache_dir,
+    the place chosen for large files, rather than in /tmp, often a RAM-backed tmpfs or a small root partition.
+    """
+    if data.text_encoder_device_map is None:
+        yield None
+        return
+    Path(data.cache_dir).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="offload-", dir=data.cache_dir) as offload:
+        yield Placement(data.text_encoder_device_map, max_memory(data.text_encoder_max_memory), offload)
+    # The recipe's rank 0 encodes a missing cache while the other ranks wait beside it: what its allocator kept cached
+    # on their devices would be lost to them for the whole run.
+    accelerator().empty_cache()

@@ -6,13 +6,17 @@
 from __future__ import annotations
 
 import logging
+import resource
 import sys
+import time
 
 from grpo.config import load_config
-from grpo.device import device_for_local_rank
+from grpo.device import accelerator, device_for_local_rank, local_devices
 from grpo.errors import run_command
 from grpo.inputs import resolve_model_path
 from grpo.prompts import ensure_cache
+
+log = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,10 +32,24 @@ def main(argv: list[str] | None = None) -> int:
         model_path = resolve_model_path(cfg.model.path, cfg.model.revision)
         device = device_for_local_rank(0)  # NPU, GPU or CPU, as the recipe picks it
         files = [("data.train_prompts", cfg.data.train_prompts), ("data.eval_prompts", cfg.data.eval_prompts)]
-        return "\n".join(str(ensure_cache(model_path, f, setting, cfg.data, device))
-                         for setting, f in files if f)
+        start = time.perf_counter()
+        out = "\n".join(str(ensure_cache(model_path, f, setting, cfg.data, device)) for setting, f in files if f)
+        log.info("%s", peak_line(time.perf_counter() - start))
+        return out
 
     return run_command(body)
+
+
+def peak_line(seconds: float) -> str:
+    """The command's wall time and peak memory: host RSS, and the fullest accelerator's peak allocation."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+    line = f"prompts: {seconds:.1f} s, peak host RSS {rss / 2**30:.2f} GiB"
+    kind, count = local_devices()
+    if kind == "cpu":
+        return line
+    acc = accelerator()
+    peak = max(acc.max_memory_allocated(i) for i in range(count))  # a device map may use every visible device
+    return f"{line}, peak {kind} memory allocated {peak / 2**30:.2f} GiB (the fullest of {count})"
 
 
 if __name__ == "__main__":

@@ -10,13 +10,20 @@ are written once.
 
 from __future__ import annotations
 
+import collections
 import functools
+import gc
+import importlib
+import json
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 from grpo import sde
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,6 +57,36 @@ class Parts:
     def latent_size(self, resolution: int) -> int:
         """Side of the VAE latent grid before 2x2 packing; the pipelines' prepare_latents arithmetic."""
         return 2 * (resolution // (self.vae_scale_factor * 2))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How transformers' big-model loading spreads a text encoder (data.text_encoder_device_map).
+
+    Attributes:
+        device_map: "auto", "balanced" or "sequential" (transformers' names; auto is balanced there).
+        max_memory: accelerate's {accelerator ordinal or "cpu": bytes or "16GiB"}; None = accelerate's defaults.
+        offload_folder: where the layers that fit neither the accelerators nor host RAM are written.
+    """
+
+    device_map: str
+    max_memory: dict | None
+    offload_folder: str | None
+
+
+def describe_encoder(folder: str, encoder: torch.nn.Module, device: torch.device) -> str:
+    """One log line: the encoder's class, parameters, dtype and where it is: the modules of its hf_device_map per
+    device (accelerate's integer devices are ordinals of `device`'s kind), or the one device of an encoder that was
+    not split (transformers sets no map for those)."""
+    count = sum(p.numel() for p in encoder.parameters())
+    where = getattr(encoder, "hf_device_map", None)
+    if where is None:
+        placement = f"all on {next(encoder.parameters()).device}"
+    else:
+        per = collections.Counter(str(torch.device(device.type, d)) if isinstance(d, int) else d
+                                  for d in where.values())
+        placement = "modules per device: " + ", ".join(f"{d} {n}" for d, n in per.items())
+    return f"{folder} ({type(encoder).__name__}): {count:,} parameters, {encoder.dtype}, {placement}"
 
 
 def _diffusers(name: str) -> type:
@@ -123,17 +160,33 @@ class ModelFamily:
         return Parts(self, transformer, vae, dict(scheduler.config), vsf)
 
     # -- prompts ------------------------------------------------------------------------------------------------
+    def load_text_encoder(self, model_path: str, folder: str, dtype: torch.dtype,
+                          placement: Placement) -> torch.nn.Module:
+        """The text encoder in `folder` (the transformers class model_index.json names for it), its layers placed by
+        transformers' big-model loading (accelerate's infer_auto_device_map and dispatch hooks)."""
+        library, name = json.loads((Path(model_path) / "model_index.json").read_text())[folder]
+        cls = getattr(importlib.import_module(library), name)
+        return cls.from_pretrained(model_path, subfolder=folder, dtype=dtype, device_map=placement.device_map,
+                                   max_memory=placement.max_memory, offload_folder=placement.offload_folder)
+
     @torch.no_grad()
     def encode_prompts(self, model_path: str, prompts: list[str], max_sequence_length: int, device: torch.device,
-                       batch_size: int = 64, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+                       batch_size: int = 64, dtype: torch.dtype = torch.float32,
+                       placement: Placement | None = None) -> dict[str, torch.Tensor]:
         """The pipeline's own prompt encoding of `prompts`: float32 CPU tensors named by `embed_keys`, [P, ...]. The
-        text encoders are loaded in `dtype`, on `device`, and freed after."""
-        pipe = self.pipeline_class().from_pretrained(model_path, transformer=None, vae=None, dtype=dtype)
+        text encoders are loaded in `dtype`, on `device` (or spread as `placement` says), and freed after."""
+        placed = {folder: self.load_text_encoder(model_path, folder, dtype, placement)
+                  for folder in self.text_folders} if placement else {}
+        pipe = self.pipeline_class().from_pretrained(model_path, transformer=None, vae=None, dtype=dtype, **placed)
         for folder in self.text_folders:
-            getattr(pipe, folder).to(device)
+            encoder = getattr(pipe, folder)
+            if folder not in placed:  # a dispatched model must not be moved: its hooks own the placement
+                encoder.to(device)
+            log.info("%s", describe_encoder(folder, encoder, device))
         chunks = [self.encode_chunk(pipe, prompts[i : i + batch_size], max_sequence_length, device)
                   for i in range(0, len(prompts), batch_size)]
-        del pipe
+        del pipe, placed
+        gc.collect()  # accelerate's dispatch hooks tie each placed module to itself: only the collector frees them
         return {k: torch.cat([c[k].float().cpu() for c in chunks]) for k in self.embed_keys}
 
     def encode_chunk(self, pipe, prompts: list[str], max_sequence_length: int,

@@ -33,10 +33,12 @@ def _overrides(preset: str) -> list[str]:
 def renamed(old: dict, preset: str) -> dict:
     """Settings in the schema before issue 29 -> the same settings now (/tmp/plan/schema.md), with its deliberate
     changes: advantage.eps is new (1e-8 where the source uses it, 1e-4 elsewhere), awm.timestep_draw is new,
-    data.text_encoder_dtype is new (fp32), and
-    normalize_rewards_per_group is advantage.per_reward."""
+    data.text_encoder_dtype is new (fp32), data.text_encoder_device_map and _max_memory are new (null: the whole
+    encoder on one device, as before), and normalize_rewards_per_group is advantage.per_reward."""
     new = {k: v for k, v in old.items() if k not in ("grpo", "matching", "normalize_rewards_per_group")}
-    new["data"] = {**old["data"], "text_encoder_dtype": "fp32"}  # new with FLUX.2 (issue 30): fp32, as encoded before
+    # new with FLUX.2 (issue 30): encoded as before, in fp32 on one device
+    new["data"] = {**old["data"], "text_encoder_dtype": "fp32", "text_encoder_device_map": None,
+                   "text_encoder_max_memory": None}
     grpo, matching = old["grpo"], old["matching"]
     # 1e-8: DanceGRPO's, MixGRPO's and BranchGRPO's eps (a tree used 1e-8 before the setting existed)
     small_eps = preset in (*(f"recipes/configs/flux1_dev/{n}.yaml" for n in ("grpo_lora", "grpo_full", "mixgrpo_lora",
