@@ -45,6 +45,20 @@ def tiny_reward_spec(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict
     return write_tiny_reward_files(tmp_path_factory.mktemp("tiny_rewards"))
 
 
+@pytest.fixture(scope="session")
+def tiny_flux2_dev(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An untrained tiny Flux2Pipeline (FLUX.2 [dev] layout) folder, built in about a second
+    (tools.build_tiny_flux2.build_dev)."""
+    import torch
+
+    from tools.build_tiny_flux2 import build_dev
+
+    out = tmp_path_factory.mktemp("tiny-flux2-dev")
+    with torch.random.fork_rng(devices=[]):  # the build seeds torch's global generator; the session's stays as it was
+        build_dev(out)
+    return out
+
+
 @pytest.fixture
 def offline(monkeypatch: pytest.MonkeyPatch) -> None:
     """HF_HUB_OFFLINE=1 for one test (restored afterwards)."""

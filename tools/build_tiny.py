@@ -3,9 +3,12 @@
     python -m tools.build_tiny --out assets/tiny-flux [--vae-steps N] [--transformer-steps N] [--seed S]
     python -m tools.build_tiny --out NEW --init-from OLD [--decoder-steps N] [--transformer-steps N] [--transformer-lr LR]
     python -m tools.build_tiny --family flux2 --out assets/tiny-flux2 [same flags]
+    python -m tools.build_tiny --family flux2-dev --untrained --out OUT
 
 `--family flux1` (the default) builds a FluxPipeline (FLUX.1 layout), described below; `--family flux2` builds a
-Flux2KleinPipeline (FLUX.2 [klein] layout) through the same phases, with the parts in `tools/build_tiny_flux2.py`.
+Flux2KleinPipeline (FLUX.2 [klein] layout) through the same phases, with the parts in `tools/build_tiny_flux2.py`;
+`--family flux2-dev` an untrained Flux2Pipeline (FLUX.2 [dev] layout: Mistral3 text encoder, guidance embedding),
+from the same file.
 
 Phases (each logged with its time):
 
@@ -23,8 +26,8 @@ Phases (each logged with its time):
 6. a short evaluation: world score of pipeline samples on the held-out prompts, next to rendered ground truth and
    to ground truth after the VAE's round trip (the most a latent policy can reach).
 
-`--vae-steps 0 --decoder-steps 0 --transformer-steps 0` gives an untrained but complete model in seconds (tests use
-it).
+`--untrained` (`--vae-steps 0 --decoder-steps 0 --transformer-steps 0 --eval-seeds 0 --latent-stat-images 16`)
+gives an untrained but complete model in seconds (tests use it).
 `--init-from OLD` continues an earlier build: its tokenizers, text encoders and VAE encoder are kept bit for bit; the
 transformer trains further and, with `--decoder-steps`, the VAE decoder too, so a longer pretraining does not redo the
 VAE phase. The decoder phase draws from its own generator, so it never changes what the transformer phase trains on.
@@ -71,6 +74,9 @@ SCHEDULER_CONFIG = dict(
     max_image_seq_len=4096,
 )
 CLIP_BOS, CLIP_EOS = "<|startoftext|>", "<|endoftext|>"
+# `build` arguments of an untrained but complete folder (--untrained): an untrained VAE's latent statistics need
+# no more than a few images.
+UNTRAINED = dict(vae_steps=0, decoder_steps=0, transformer_steps=0, eval_seeds=0, latent_stat_images=16)
 
 
 @contextmanager
@@ -527,7 +533,8 @@ class Family:
         stats_key: the build_info.json key of the VAE latent normalisation.
         set_latent_stats: (vae, generator, n images) -> that normalisation, measured on world latents and set.
         kept_latent_stats: vae -> the normalisation of a loaded build.
-        train_transformer: (pipe, steps, batch, lr, shift, images_per_prompt, generator, **options).
+        train_transformer: (pipe, steps, batch, lr, shift, images_per_prompt, generator, **options); None: the
+            family's transformer is built untrained only.
         sample_scores: (pipe, prompts, steps, seeds) -> world scores of samples, the eval's sample_score_mean.
         options: the family's own training options, passed to train_transformer and recorded.
         eval_extra: (pipe, prompts, steps, seeds) -> more eval fields (other sampling settings), or None.
@@ -539,7 +546,7 @@ class Family:
     stats_key: str
     set_latent_stats: Callable[..., dict]
     kept_latent_stats: Callable[[Any], dict]
-    train_transformer: Callable[..., None]
+    train_transformer: Callable[..., None] | None
     sample_scores: Callable[..., torch.Tensor]
     options: dict = field(default_factory=dict)
     eval_extra: Callable[..., dict] | None = None
@@ -595,8 +602,11 @@ def build(
         latent_stat_images: rendered images whose latents set the VAE latent normalisation (FLUX.1: scaling/shift
             factors; FLUX.2: the batch-norm running statistics).
         init_from: an earlier build to continue (its VAE encoder and normalisation are kept; vae_steps is ignored).
-        family: FLUX1 (FluxPipeline) or `tools.build_tiny_flux2.family(...)` (Flux2KleinPipeline).
+        family: FLUX1 (FluxPipeline), `tools.build_tiny_flux2.family(...)` (Flux2KleinPipeline) or
+            `tools.build_tiny_flux2.dev_family()` (Flux2Pipeline, untrained only).
     """
+    if transformer_steps > 0 and family.train_transformer is None:
+        raise ValueError(f"{family.name}: the transformer is built untrained only (transformer_steps=0)")
     t0 = time.perf_counter()
     times: dict[str, float] = {}
 
@@ -709,8 +719,11 @@ def build(
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m tools.build_tiny", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="output folder (diffusers layout of the family's pipeline)")
-    p.add_argument("--family", choices=("flux1", "flux2"), default="flux1",
-                   help="flux1: FluxPipeline (default); flux2: Flux2KleinPipeline (tools/build_tiny_flux2.py)")
+    p.add_argument("--family", choices=("flux1", "flux2", "flux2-dev"), default="flux1",
+                   help="flux1: FluxPipeline (default); flux2: Flux2KleinPipeline; flux2-dev: Flux2Pipeline, untrained "
+                        "only (tools/build_tiny_flux2.py)")
+    p.add_argument("--untrained", action="store_true",
+                   help="no training and no evaluation, in seconds (build_tiny.UNTRAINED)")
     p.add_argument("--vae-steps", type=int, default=300)
     p.add_argument("--transformer-steps", type=int, default=400)
     p.add_argument("--seed", type=int, default=0)
@@ -726,6 +739,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--single-layers", type=int, default=4, help="single-stream blocks")
     p.add_argument("--eval-steps", type=int, default=12)
     p.add_argument("--eval-seeds", type=int, default=2, help="0 skips the held-out evaluation")
+    p.add_argument("--latent-stat-images", type=int, default=512,
+                   help="rendered images whose latents set the VAE's latent normalisation")
     p.add_argument("--init-from", type=Path, default=None,
                    help="an earlier build to continue (transformer, and the decoder with --decoder-steps)")
     # One thread by default: on a shared 2-core machine two OpenMP threads per process ran ~8x slower per step.
@@ -738,21 +753,30 @@ def main(argv: list[str] | None = None) -> None:
                        help="every N-th step, batch/8 samples see the pipeline's default 512-token padding instead "
                             "of 32 (default 8; 0: never)")
     args = p.parse_args(argv)
-    for name in ("vae_steps", "decoder_steps", "transformer_steps", "eval_seeds", "eval_steps", "long_text_every"):
+    for name, value in (UNTRAINED if args.untrained else {}).items():
+        flag = f"--{name.replace('_', '-')}"
+        if getattr(args, name) != p.get_default(name):
+            raise SystemExit(f"--untrained sets {flag} {value}: drop {flag}")
+        setattr(args, name, value)
+    for name in ("vae_steps", "decoder_steps", "transformer_steps", "eval_seeds", "eval_steps", "long_text_every",
+                 "latent_stat_images"):
         if (getattr(args, name) or 0) < 0:
             raise SystemExit(f"--{name.replace('_', '-')}: must be >= 0, got {getattr(args, name)}")
     if args.init_from is not None and not (args.init_from / "build_info.json").is_file():
         raise SystemExit(f"--init-from: {args.init_from} is not a build of this tool (no build_info.json)")
     flux2_options = {k: v for k, v in (("cfg_dropout", args.cfg_dropout), ("long_text_every", args.long_text_every))
                      if v is not None}
+    if args.family != "flux2" and flux2_options:
+        raise SystemExit(f"--{next(iter(flux2_options)).replace('_', '-')}: a flux2 option (--family flux2)")
     if args.family == "flux1":
-        if flux2_options:
-            raise SystemExit(f"--{next(iter(flux2_options)).replace('_', '-')}: a flux2 option (--family flux2)")
         family = FLUX1
     else:
         from tools import build_tiny_flux2
 
-        family = build_tiny_flux2.family(**flux2_options)
+        family = build_tiny_flux2.family(**flux2_options) if args.family == "flux2" else build_tiny_flux2.dev_family()
+    if family.train_transformer is None and args.transformer_steps > 0:
+        raise SystemExit(f"--family {family.name}: builds an untrained transformer only; add --untrained (or "
+                         "--transformer-steps 0)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     build(
@@ -773,6 +797,7 @@ def main(argv: list[str] | None = None) -> None:
         eval_seeds=args.eval_seeds,
         init_from=args.init_from,
         family=family,
+        latent_stat_images=args.latent_stat_images,
     )
 
 

@@ -1,4 +1,5 @@
-"""The FLUX.2 [klein] family of the tiny world's builder: a `Flux2KleinPipeline` folder, built offline.
+"""The FLUX.2 families of the tiny world's builder: a `Flux2KleinPipeline` folder ([klein]) and an untrained
+`Flux2Pipeline` one ([dev]), built offline.
 
     python -m tools.build_tiny --family flux2 --out assets/tiny-flux2 [--vae-steps N] [--transformer-steps N] ...
 
@@ -37,6 +38,14 @@ Guidance. Klein ships as base (`is_distilled` false: CFG with guidance_scale 4 b
 (4 steps, guidance ignored). This model is a plain flow-matching model, not step-distilled: it is a base model, and
 `cfg_dropout` of the training prompts are the empty prompt, which is the pipeline's CFG negative prompt.
 guidance_scale 1.0 (one transformer pass a step, as the eval samples) turns CFG off.
+
+FLUX.2 [dev], untrained (`build_dev`, `python -m tools.build_tiny --family flux2-dev --untrained --out OUT`): a
+`Flux2Pipeline` folder from the same VAE, scheduler and BPE training, with [dev]'s own parts: a `PixtralProcessor`
+whose tokenizer is the BPE trained on the world prompts as Flux2Pipeline renders them (its system message first, in a
+reduced Mistral-Small-3 chat template), a frozen random `Mistral3ForConditionalGeneration` (31 text layers for the
+stacked hidden states 10, 20, 30; a one-layer Pixtral vision tower) and the transformer with a guidance embedding.
+Nothing trains it: it checks that the trainer runs Flux2Pipeline's own code (prompt encoding, guidance, latents) in
+seconds, so tests build it where they need it.
 """
 
 from __future__ import annotations
@@ -101,26 +110,19 @@ def chat_text(tokenizer, prompt: str) -> str:
     )
 
 
-def build_qwen_tokenizer(folder: Path):
-    """Train a byte-level BPE on the world prompts in the chat template; load it as `Qwen2TokenizerFast`.
+def train_bpe(texts: list[str], specials: list[str]):
+    """A byte-level BPE trained on `texts` with Qwen2's normalizer and pre-tokenizer (NFC, Qwen's split regex, byte
+    level) and all 256 bytes as its alphabet, so any text tokenizes (no unknown token).
 
-    The BPE uses Qwen2's own normalizer and pre-tokenizer (NFC, Qwen's split regex, byte level), which is what
-    `Qwen2TokenizerFast` rebuilds from a vocab and merges, and all 256 bytes as its alphabet, so any text tokenizes
-    (no unknown token). It trains on the template's text between the special tokens, which the tokenizer never
-    splits.
-
-    Args:
-        folder: where the trained tokenizer.json is written.
+    It trains on the text between the `specials`, which the tokenizer never splits; its vocabulary is larger than the
+    merges the corpus has, so every word of `texts` ends up one token.
 
     Returns:
-        transformers.Qwen2TokenizerFast (model_max_length 512, right padding with <|endoftext|>, eos <|im_end|>).
+        tokenizers.Tokenizer with `specials` as its first ids, in order.
     """
-    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
-    from transformers import Qwen2TokenizerFast
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-    specials = [PAD, IM_START, IM_END]
-    added = [THINK, END_THINK]  # Qwen3 has them as added, non-special tokens
     bpe = Tokenizer(models.BPE())
     bpe.normalizer = normalizers.NFC()
     bpe.pre_tokenizer = pre_tokenizers.Sequence(
@@ -129,16 +131,34 @@ def build_qwen_tokenizer(folder: Path):
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
+    bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=1024,  # more than the merges the corpus has: every word ends up one token
-        special_tokens=specials + added,
+        vocab_size=1024,
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
+    split = re.compile("|".join(re.escape(t) for t in specials))
+    bpe.train_from_iterator([piece for t in texts for piece in split.split(t) if piece], trainer)
+    return bpe
+
+
+def build_qwen_tokenizer(folder: Path):
+    """`train_bpe` on the world prompts in the chat template, loaded as `Qwen2TokenizerFast` (which rebuilds Qwen2's
+    normalizer and pre-tokenizer from a vocab and merges).
+
+    Args:
+        folder: where the trained tokenizer.json is written.
+
+    Returns:
+        transformers.Qwen2TokenizerFast (model_max_length 512, right padding with <|endoftext|>, eos <|im_end|>).
+    """
+    from transformers import Qwen2TokenizerFast
+
+    specials = [PAD, IM_START, IM_END]
+    added = [THINK, END_THINK]  # Qwen3 has them as added, non-special tokens
     template = f"{IM_START}user\n{{}}{IM_END}\n{IM_START}assistant\n{THINK}\n\n{END_THINK}\n\n"
-    split = re.compile("|".join(re.escape(t) for t in specials + added))
-    pieces = [piece for p in world.all_prompts() for piece in split.split(template.format(p)) if piece]
-    bpe.train_from_iterator(pieces, trainer)
+    bpe = train_bpe([template.format(p) for p in world.all_prompts()], specials + added)
     folder.mkdir(parents=True, exist_ok=True)
     bpe.save(str(folder / "tokenizer.json"))
     trained = json.loads((folder / "tokenizer.json").read_text())["model"]
@@ -156,26 +176,31 @@ def build_qwen_tokenizer(folder: Path):
     return tok
 
 
+def text_arch(tokenizer, out_layers: tuple[int, ...]) -> dict:
+    """The tiny decoder-only text model of both FLUX.2 encoders (Qwen3, Mistral): hidden 32, 2 heads of 16, 1 KV
+    head, and one layer more than the deepest of `out_layers`, the hidden states the pipeline stacks: hidden_states[0]
+    is the embedding and hidden_states[num_hidden_layers] the final norm's output, so that keeps every one of them a
+    plain layer output, as in the real encoders (36 and 40 layers)."""
+    return dict(
+        vocab_size=len(tokenizer),
+        hidden_size=TEXT_HIDDEN,
+        intermediate_size=2 * TEXT_HIDDEN,
+        num_hidden_layers=max(out_layers) + 1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=TEXT_HIDDEN // 2,
+        max_position_embeddings=PIPELINE_MAX_SEQUENCE_LENGTH,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+
+
 def build_text_encoder(tokenizer):
-    """Frozen random Qwen3ForCausalLM: 28 layers (see the module docstring), hidden 32, 2 heads of 16, 1 KV head."""
+    """Frozen random Qwen3ForCausalLM of `text_arch`: 28 layers (see the module docstring)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    encoder = Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=len(tokenizer),
-            hidden_size=TEXT_HIDDEN,
-            intermediate_size=2 * TEXT_HIDDEN,
-            num_hidden_layers=max(TEXT_ENCODER_OUT_LAYERS) + 1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=TEXT_HIDDEN // 2,
-            max_position_embeddings=PIPELINE_MAX_SEQUENCE_LENGTH,
-            tie_word_embeddings=True,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            bos_token_id=None,
-        )
-    )
+    encoder = Qwen3ForCausalLM(Qwen3Config(**text_arch(tokenizer, TEXT_ENCODER_OUT_LAYERS), tie_word_embeddings=True))
     return encoder.eval().requires_grad_(False)
 
 
@@ -186,8 +211,9 @@ def build_vae(block_out_channels: tuple[int, ...] = (16, 32, 32)):
     return AutoencoderKLFlux2(**build_tiny.vae_arch(block_out_channels), patch_size=(2, 2))
 
 
-def build_transformer(layers: int = 2, single_layers: int = 4):
-    """Flux2Transformer2DModel for 4-channel latents patchified 2x2 (16 in-channels), inner dim 4 x 32 = 128."""
+def build_transformer(layers: int = 2, single_layers: int = 4, guidance_embeds: bool = False):
+    """Flux2Transformer2DModel for 4-channel latents patchified 2x2 (16 in-channels), inner dim 4 x 32 = 128; a
+    guidance embedding for [dev] (`guidance_embeds`), none for klein."""
     from diffusers import Flux2Transformer2DModel
 
     return Flux2Transformer2DModel(
@@ -202,7 +228,7 @@ def build_transformer(layers: int = 2, single_layers: int = 4):
         mlp_ratio=3.0,
         axes_dims_rope=(8, 8, 8, 8),
         rope_theta=2000,
-        guidance_embeds=False,
+        guidance_embeds=guidance_embeds,
     )
 
 
@@ -212,27 +238,35 @@ def build_scheduler():
     return FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
 
 
-def fresh_pipeline(layers: int, single_layers: int):
-    """Tokenizer and untrained models assembled into a Flux2KleinPipeline; returns (pipe, parameter counts)."""
-    from diffusers import Flux2KleinPipeline
+def _fresh(pipeline: str, tokenizer_fn, encoder_fn, layers: int, single_layers: int, guidance_embeds: bool,
+           **pipeline_config):
+    """`tokenizer_fn(tmp folder)` and `encoder_fn(tokenizer)`, the VAE and the untrained transformer assembled into the
+    diffusers `pipeline`; returns (pipe, parameter counts)."""
+    import diffusers
 
     with _phase("tokenizers"), tempfile.TemporaryDirectory() as tmp:
-        tokenizer = build_qwen_tokenizer(Path(tmp) / "qwen")
+        tokenizer = tokenizer_fn(Path(tmp))
     with _phase("models"):
-        text_encoder = build_text_encoder(tokenizer)
+        text_encoder = encoder_fn(tokenizer)
         vae = build_vae()
-        transformer = build_transformer(layers, single_layers)
-        pipe = Flux2KleinPipeline(
+        transformer = build_transformer(layers, single_layers, guidance_embeds)
+        pipe = getattr(diffusers, pipeline)(
             scheduler=build_scheduler(),
             vae=vae,
             text_encoder=text_encoder,
             tokenizer=tokenizer,
             transformer=transformer,
-            is_distilled=False,
+            **pipeline_config,
         )
         pipe.set_progress_bar_config(disable=True)
         n_params = build_tiny.parameter_counts(dict(transformer=transformer, vae=vae, text_encoder=text_encoder))
     return pipe, n_params
+
+
+def fresh_pipeline(layers: int, single_layers: int):
+    """Tokenizer and untrained models assembled into a Flux2KleinPipeline; returns (pipe, parameter counts)."""
+    return _fresh("Flux2KleinPipeline", lambda tmp: build_qwen_tokenizer(tmp / "qwen"), build_text_encoder, layers,
+                  single_layers, guidance_embeds=False, is_distilled=False)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -390,3 +424,102 @@ def family(cfg_dropout: float = 0.1, long_text_every: int = 8) -> build_tiny.Fam
         options={"cfg_dropout": cfg_dropout, "long_text_every": long_text_every},
         eval_extra=eval_extra,
     )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# FLUX.2 [dev]: the Flux2Pipeline layout, untrained
+
+DEV_TEXT_ENCODER_OUT_LAYERS = (10, 20, 30)  # Flux2Pipeline's default text_encoder_out_layers
+DEV_GUIDANCE = 4.0  # Flux2Pipeline's default guidance_scale, the guidance embedding's input (one pass a step)
+# Flux2Pipeline puts its system message before every prompt: 31 of this tokenizer's tokens with the template's
+# special tokens, and a world prompt adds at most 8. At the klein length (32) the prompt would be cut to one token.
+DEV_MAX_SEQUENCE_LENGTH = 64
+BOS, EOS, UNK, MISTRAL_PAD = "<s>", "</s>", "<unk>", "<pad>"
+INST, END_INST, SYSTEM, END_SYSTEM = "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"
+IMG, IMG_BREAK, IMG_END = "[IMG]", "[IMG_BREAK]", "[IMG_END]"  # PixtralProcessor looks their ids up
+# Mistral-Small-3's chat template, reduced to what Flux2Pipeline renders (format_input): a system turn and a user
+# turn whose content is a list of parts. Only text parts are rendered: images come with caption upsampling alone,
+# which the tiny model does not do.
+MISTRAL_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['content'] is string %}{%- set text = message['content'] %}"
+    "{%- else %}{%- set text = message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text')"
+    " | join('') %}{%- endif %}"
+    "{%- if message['role'] == 'system' %}{{- '[SYSTEM_PROMPT]' + text + '[/SYSTEM_PROMPT]' }}"
+    "{%- elif message['role'] == 'user' %}{{- '[INST]' + text + '[/INST]' }}"
+    "{%- else %}{{- text + eos_token }}{%- endif %}"
+    "{%- endfor %}"
+)
+
+
+def dev_chat_text(prompt: str) -> str:
+    """What MISTRAL_CHAT_TEMPLATE renders for `prompt` in Flux2Pipeline (its system message, then the prompt)."""
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+    return f"{BOS}{SYSTEM}{SYSTEM_MESSAGE}{END_SYSTEM}{INST}{prompt}{END_INST}"
+
+
+def build_pixtral_processor():
+    """`train_bpe` on the world prompts as Flux2Pipeline renders them, as the tokenizer of a `PixtralProcessor` (what
+    Flux2Pipeline loads from tokenizer/ with AutoProcessor), with Mistral's special tokens and MISTRAL_CHAT_TEMPLATE.
+
+    The tokenizer is the BPE itself (`PreTrainedTokenizerFast`; Mistral's tekken is a byte-level BPE too): right
+    padding with <pad>, no unknown token in practice (byte level). The image processor fits the vision tower of
+    `build_mistral_encoder` (64 px, patch 16).
+    """
+    from transformers import PixtralImageProcessor, PixtralProcessor, PreTrainedTokenizerFast
+
+    specials = [UNK, BOS, EOS, INST, END_INST, IMG, MISTRAL_PAD, IMG_BREAK, IMG_END, SYSTEM, END_SYSTEM]
+    bpe = train_bpe([dev_chat_text(p) for p in world.all_prompts()], specials)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=BOS, eos_token=EOS, unk_token=UNK,
+                                        pad_token=MISTRAL_PAD, model_max_length=PIPELINE_MAX_SEQUENCE_LENGTH)
+    image_processor = PixtralImageProcessor(size={"longest_edge": RESOLUTION}, patch_size=16)
+    return PixtralProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=16, spatial_merge_size=2,
+                            chat_template=MISTRAL_CHAT_TEMPLATE)
+
+
+def build_mistral_encoder(processor):
+    """Frozen random Mistral3ForConditionalGeneration: a Mistral text model of `text_arch` (31 layers, for
+    hidden_states[30]) and a one-layer Pixtral vision tower, which Flux2Pipeline's prompt encoding never runs."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+
+    text = MistralConfig(**text_arch(processor.tokenizer, DEV_TEXT_ENCODER_OUT_LAYERS), sliding_window=None)
+    vision = PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 image_size=RESOLUTION, patch_size=16)
+    config = Mistral3Config(text_config=text, vision_config=vision, image_token_index=processor.image_token_id,
+                            spatial_merge_size=2)
+    return Mistral3ForConditionalGeneration(config).eval().requires_grad_(False)
+
+
+def fresh_dev_pipeline(layers: int, single_layers: int):
+    """Processor and untrained models (a guidance embedding in the transformer) assembled into a Flux2Pipeline;
+    returns (pipe, parameter counts)."""
+    return _fresh("Flux2Pipeline", lambda tmp: build_pixtral_processor(), build_mistral_encoder, layers,
+                  single_layers, guidance_embeds=True)
+
+
+def dev_sample_scores(pipe, prompts: list[str], steps: int, seeds: list[int], **call) -> torch.Tensor:
+    """World scores of [dev] samples: guidance 4 into the embedding, length 64."""
+    kwargs = dict(guidance_scale=DEV_GUIDANCE, max_sequence_length=DEV_MAX_SEQUENCE_LENGTH)
+    return build_tiny.score_samples(pipe, prompts, steps, seeds, **{**kwargs, **call})
+
+
+def dev_family() -> build_tiny.Family:
+    """The FLUX.2 [dev] `build_tiny.Family`: no transformer training (its folders are built `build_tiny.UNTRAINED`)."""
+    return build_tiny.Family(
+        name="flux2-dev",
+        pipeline="Flux2Pipeline",
+        fresh=fresh_dev_pipeline,
+        stats_key="vae_bn",
+        set_latent_stats=set_bn_statistics,
+        kept_latent_stats=kept_bn_statistics,
+        train_transformer=None,
+        sample_scores=dev_sample_scores,
+    )
+
+
+def build_dev(out: Path, seed: int = 0) -> dict:
+    """An untrained tiny Flux2Pipeline ([dev] layout) folder at `out`, in seconds; returns build_tiny.build's
+    summary. Tests build it into their tmp folders, so none is shipped."""
+    return build_tiny.build(out, family=dev_family(), seed=seed, **build_tiny.UNTRAINED)

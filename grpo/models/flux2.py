@@ -4,7 +4,7 @@ batch-norm statistics, 4-axis RoPE ids (T, H, W, L), FLUX.2's empirical time shi
 only ([klein] is called with guidance=None).
 
 All of it is the pipelines' own code (their static helpers, encode_prompt, compute_empirical_mu), so the sampler
-reproduces Flux2KleinPipeline from the same noise and embeddings.
+reproduces Flux2KleinPipeline and Flux2Pipeline from the same noise and embeddings.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from grpo.models.base import Conditioning, ModelFamily
 
 class Flux2(ModelFamily):
     def encode_chunk(self, pipe, prompts, max_sequence_length, device):
-        """The pipeline's encode_prompt (klein: Qwen3 chat template, hidden states of layers 9, 18, 27 stacked)."""
+        """The pipeline's encode_prompt (klein: Qwen3 chat template, hidden states of layers 9, 18, 27 stacked; [dev]:
+        Mistral3 after the pipeline's system message, layers 10, 20, 30)."""
         embeds, _ = pipe.encode_prompt(prompts, device=device, max_sequence_length=max_sequence_length)
         return {"prompt_embeds": embeds}
 
@@ -57,7 +58,9 @@ class Flux2(ModelFamily):
         pipe = self.pipeline_class()
         side = 2 * (resolution // (vae_scale_factor * 2)) // 2
         ids = self.image_ids(2 * side, packed.device).expand(len(packed), -1, -1)
-        latents = pipe._unpack_latents_with_ids(packed, ids, side, side)
+        # Without the grid's height and width, which Flux2Pipeline's version does not take (klein's only uses them to
+        # skip reading the ids' maximum back from the device).
+        latents = pipe._unpack_latents_with_ids(packed, ids)
         mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
         std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(latents.device,
                                                                                               latents.dtype)

@@ -1,5 +1,6 @@
 """The tiny FLUX.2 [klein] world model: the builder's folder loads unchanged with Flux2KleinPipeline and generates;
-its tokenizer, VAE normalisation and `--init-from` chains work; the shipped folder (when built) loads and is small."""
+its tokenizer, VAE normalisation and `--init-from` chains work; the shipped folder (when built) loads and is small.
+The untrained [dev] folder loads unchanged with Flux2Pipeline (its processor with AutoProcessor) and generates."""
 
 import json
 import os
@@ -148,3 +149,55 @@ def test_flux2_options_are_refused_for_flux1(tmp_path):
     with pytest.raises(SystemExit, match="flux2 option"):
         build_tiny.main(["--out", str(tmp_path / "x"), "--cfg-dropout", "0.2"])
     assert not (tmp_path / "x").exists()
+
+
+# FLUX.2 [dev]: the untrained Flux2Pipeline folder (tools.build_tiny_flux2.build_dev, the `tiny_flux2_dev` fixture)
+
+
+def test_dev_build_loads_unchanged_and_generates(tiny_flux2_dev):
+    from diffusers import Flux2Pipeline
+    from diffusers.pipelines.flux2.pipeline_flux2 import format_input
+    from transformers import AutoProcessor, Mistral3ForConditionalGeneration, PixtralProcessor
+
+    folder = tiny_flux2_dev
+    assert json.loads((folder / "model_index.json").read_text())["_class_name"] == "Flux2Pipeline"
+    assert not list(folder.rglob("*.bin")) and sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) < 2**24
+    processor = AutoProcessor.from_pretrained(str(folder / "tokenizer"))
+    assert isinstance(processor, PixtralProcessor)
+    prompts = world.all_prompts()
+    assert processor.apply_chat_template(format_input(prompts[:2]), tokenize=False) == [
+        flux2.dev_chat_text(p) for p in prompts[:2]]
+    # Every world prompt fits the [dev] length after the system message, and the tokens after it are padding.
+    enc = processor.apply_chat_template(format_input(prompts), tokenize=True, return_dict=True, return_tensors="pt",
+                                        padding="max_length", truncation=True,
+                                        max_length=flux2.DEV_MAX_SEQUENCE_LENGTH)
+    lengths = enc["attention_mask"].sum(1)
+    assert lengths.max() < flux2.DEV_MAX_SEQUENCE_LENGTH and lengths.min() > 31
+    last = enc["input_ids"].gather(1, (lengths - 1)[:, None])
+    assert (last == processor.tokenizer.convert_tokens_to_ids(flux2.END_INST)).all()
+
+    pipe = Flux2Pipeline.from_pretrained(str(folder), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    t, e = pipe.transformer.config, pipe.text_encoder.config.text_config
+    assert isinstance(pipe.text_encoder, Mistral3ForConditionalGeneration) and t.guidance_embeds
+    assert e.num_hidden_layers > max(flux2.DEV_TEXT_ENCODER_OUT_LAYERS)  # hidden_states[30] is a layer's output
+    assert t.joint_attention_dim == len(flux2.DEV_TEXT_ENCODER_OUT_LAYERS) * e.hidden_size
+    img = _generate(pipe, prompts[0], max_sequence_length=flux2.DEV_MAX_SEQUENCE_LENGTH)  # guidance_scale 4 default
+    assert img.shape == (1, 3, 64, 64) and torch.isfinite(img).all() and img.min() >= 0 and img.max() <= 1
+
+
+def test_dev_builds_untrained_only(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(build_tiny, "build", lambda out, **kw: seen.update(kw))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # main sets the builder's; the session keeps its own
+    build_tiny.main(["--family", "flux2-dev", "--untrained", "--out", str(tmp_path / "x")])
+    assert seen["family"].name == "flux2-dev" and {k: seen[k] for k in build_tiny.UNTRAINED} == build_tiny.UNTRAINED
+    for argv, words in ((["--family", "flux2-dev"], "add --untrained"),
+                        (["--untrained", "--vae-steps", "3"], "drop --vae-steps"),
+                        (["--family", "flux2-dev", "--untrained", "--cfg-dropout", "0.2"], "flux2 option")):
+        with pytest.raises(SystemExit, match=words):
+            build_tiny.main([*argv, "--out", str(tmp_path / "y")])
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="untrained only"):
+        build_tiny.build(tmp_path / "z", family=flux2.dev_family(), transformer_steps=1)
+    assert not (tmp_path / "y").exists() and not (tmp_path / "z").exists()
