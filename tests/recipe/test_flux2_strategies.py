@@ -1,0 +1,85 @@
+"""Every rollout strategy and AWM on the tiny FLUX.2 [klein] world (assets/tiny-flux2) under ZeRO-3: the tiny FLUX.1
+strategy presets (MixGRPO's windows, Flow-GRPO-Fast's CPS with random windows, GRPO-Guard's RatioNorm, BranchGRPO's
+trees, AWM) with the FLUX.2 overlay of recipes/configs/tiny_flux2/base.yaml on top. For each: the first-pass ratio is
+exactly 1 (grpo), 1 and 2 processes train the same, and a run resumed from step 1 ends where the uninterrupted one does.
+
+(grpo with DanceGRPO's SDE, the full fine-tune, DiffusionNFT and the exports: tests/recipe/test_flux2_runs.py.)
+Three 2-step runs a strategy, about 90 s each on 2 cores: with -m slow (CI time).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo.schema import own_overrides
+from tests import ROOT, TINY_FLUX2
+from tests.recipe.launch import SMALL, max_abs_diff, run_recipe, train_rows, trained_weights
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not (TINY_FLUX2 / "model_index.json").exists(), reason="tiny FLUX.2 not built")]
+TIMED = ("step_time_s", "samples_per_s")
+STRATEGIES = {
+    "windows": ("mixgrpo_lora", []),
+    "cps": ("flowgrpo_fast_lora", []),
+    "guard": ("grpo_lora", ["sampling.sde=flow", "grpo.ratio_norm=true"]),
+    "trees": ("branchgrpo_lora", []),
+    "awm": ("awm_lora", ["awm.lag_rate=0.3"]),  # a lagging anchor that really lags, so its resume is tested
+}
+
+
+def _run(tmp, name: str, config: str, nproc: int, extra: list[str]) -> dict:
+    out = tmp / name
+    # Every transition trained (a window trains all its steps; the presets' own timestep_fraction is 1.0).
+    small = [o for o in SMALL if not o.startswith("grpo.timestep_fraction=")]
+    overrides = [*small, *own_overrides(ROOT / "recipes/configs/tiny_flux2/base.yaml"), f"model.path={TINY_FLUX2}",
+                 f"output_dir={out}", f"data.cache_dir={tmp / 'cache'}",
+                 "data.eval_prompts=null", "logging.sample_every=0", "logging.tensorboard=false", "max_steps=2",
+                 "checkpoint.every=1", "checkpoint.keep=2", "optim.lr=1e-2", *extra]
+    proc = run_recipe(config, overrides, nproc)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {"dir": out, "rows": [r for r in train_rows(out) if "loss" in r]}
+
+
+@pytest.fixture(scope="module", params=list(STRATEGIES))
+def runs(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(request.param)
+    preset, extra = STRATEGIES[request.param]
+    config = f"recipes/configs/tiny/{preset}.yaml"
+    two = _run(tmp, "two", config, 2, extra)
+    return {
+        "strategy": request.param,
+        "two": two,
+        "one": _run(tmp, "one", config, 1, extra),
+        "resumed": _run(tmp, "resumed", config, 2,
+                        [*extra, f"checkpoint.resume={two['dir']}/checkpoints/step_00000001"]),
+    }
+
+
+def test_the_first_pass_ratio_is_exactly_one(runs):
+    if runs["strategy"] == "awm":
+        pytest.skip("AWM has no likelihood ratio")
+    assert [r["ratio_max_dev"] for r in runs["two"]["rows"]] == [0.0, 0.0]
+
+
+def test_one_and_two_processes_train_the_same(runs):
+    """Step 0 agrees to float rounding, as on FLUX.1 (tests/recipe/test_recipe_distributed.py); step 1 starts from
+    weights that Adam's first step left a rounding apart (about lr x sign(g) on elements whose gradient is ~0), so its
+    rewards and gradient agree to 1e-4. Its loss is not compared: at ratio 1 the grpo loss is minus the mean of
+    zero-mean advantages, a rounding-level number."""
+    one, two = runs["one"]["rows"], runs["two"]["rows"]
+    assert len(one) == len(two) == 2
+    for key in ("reward_mean", "loss", "grad_norm"):
+        assert two[0][key] == pytest.approx(one[0][key], rel=1e-5, abs=1e-9), (0, key)
+    for key in ("reward_mean", "grad_norm"):
+        assert two[1][key] == pytest.approx(one[1][key], rel=1e-4), (1, key)
+    w1, w2 = (trained_weights(runs[n]["dir"] / "checkpoints" / "step_00000002", "model") for n in ("one", "two"))
+    assert all((w2[k] - w1[k]).norm() <= 1e-3 * w1[k].norm() for k in w1)
+
+
+def test_a_resumed_run_ends_where_the_uninterrupted_one_does(runs):
+    two, resumed = runs["two"], runs["resumed"]
+    assert [r["step"] for r in resumed["rows"]] == [1]
+    untimed = lambda r: {k: v for k, v in r.items() if not k.startswith("time/") and k not in TIMED}  # noqa: E731
+    assert [untimed(r) for r in resumed["rows"]] == [untimed(r) for r in two["rows"][1:]]
+    last = "checkpoints/step_00000002"
+    assert max_abs_diff(*(trained_weights(run["dir"] / last, "model") for run in (resumed, two))) == 0
