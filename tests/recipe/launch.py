@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+import pytest
 
 from tests import ROOT, TINY
 from tools.launch import launch_env, torchrun_cmd
@@ -189,6 +190,22 @@ def trained_weights(checkpoint: Path, which: str) -> dict:
     from grpo.export import trained_weights as tw
 
     return tw(checkpoint, which)[0]
+
+
+def assert_two_steps_agree(one: dict, two: dict) -> None:
+    """Two steps of a run on 1 and on 2 processes ({"dir": output_dir, "rows": its training rows}) agree. Step 0 to
+    float rounding, as tests/recipe/test_recipe_distributed.py's one step; step 1 starts from weights that Adam's first
+    step left a rounding apart (about lr x sign(g) on elements whose gradient is ~0), so its reward and gradient agree
+    to 1e-4 and its loss is not compared: at ratio 1 a grpo loss is minus the mean of zero-mean advantages, a
+    rounding-level number (measured on tiny FLUX.2: 9.5e-5 against -7.5e-5 with RatioNorm)."""
+    a, b = one["rows"], two["rows"]
+    assert len(a) == len(b) == 2
+    for key in ("reward_mean", "loss", "grad_norm"):
+        assert b[0][key] == pytest.approx(a[0][key], rel=1e-5, abs=1e-9), (0, key)
+    for key in ("reward_mean", "grad_norm"):
+        assert b[1][key] == pytest.approx(a[1][key], rel=1e-4), (1, key)
+    w1, w2 = (trained_weights(run["dir"] / "checkpoints" / "step_00000002", "model") for run in (one, two))
+    assert all((w2[k] - w1[k]).norm() <= 1e-3 * w1[k].norm() for k in w1)
 
 
 def max_abs_diff(a: dict, b: dict) -> float:

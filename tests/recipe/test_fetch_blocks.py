@@ -50,14 +50,12 @@ print(json.dumps({"leaves": leaves, "norms": norms, "same": all(torch.equal(x, y
 """
 
 
-# The full fine-tune cases run with -m slow (CI time): a full fine-tune with whole-block fetch is in the default suite
-# through tests/recipe/test_recipe_distributed.py (full_kl_runs), checked against 1 process there.
-_SLOW = pytest.mark.slow
-
-
-@pytest.mark.parametrize("lora,checkpointing", [pytest.param("full", "true", marks=_SLOW),
-                                                pytest.param("full", "false", marks=_SLOW),
-                                                ("lora", "true"), ("lora", "false")])
+# With -m slow (CI time; 90-130 s a case): deepspeed.fetch_blocks is off in every preset, and a full fine-tune with
+# whole-block fetch is in the default suite through tests/recipe/test_recipe_distributed.py (full_kl_runs), checked
+# against 1 process there; the hook's own logic is tests/unit/test_fetch_blocks.py's.
+@pytest.mark.slow
+@pytest.mark.parametrize("lora,checkpointing", [("full", "true"), ("full", "false"), ("lora", "true"),
+                                                ("lora", "false")])
 def test_block_fetch_trains_what_module_fetch_trains(lora, checkpointing):
     env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
            "PATH": "/usr/bin:/bin"}

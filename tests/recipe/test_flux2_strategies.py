@@ -13,7 +13,8 @@ import pytest
 
 from grpo.schema import own_overrides
 from tests import ROOT, TINY_FLUX2
-from tests.recipe.launch import SMALL, max_abs_diff, run_recipe, train_rows, trained_weights
+from tests.recipe.launch import (SMALL, assert_two_steps_agree, max_abs_diff, run_recipe, train_rows,
+                                trained_weights)
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (TINY_FLUX2 / "model_index.json").exists(), reason="tiny FLUX.2 not built")]
@@ -62,18 +63,7 @@ def test_the_first_pass_ratio_is_exactly_one(runs):
 
 
 def test_one_and_two_processes_train_the_same(runs):
-    """Step 0 agrees to float rounding, as on FLUX.1 (tests/recipe/test_recipe_distributed.py); step 1 starts from
-    weights that Adam's first step left a rounding apart (about lr x sign(g) on elements whose gradient is ~0), so its
-    rewards and gradient agree to 1e-4. Its loss is not compared: at ratio 1 the grpo loss is minus the mean of
-    zero-mean advantages, a rounding-level number."""
-    one, two = runs["one"]["rows"], runs["two"]["rows"]
-    assert len(one) == len(two) == 2
-    for key in ("reward_mean", "loss", "grad_norm"):
-        assert two[0][key] == pytest.approx(one[0][key], rel=1e-5, abs=1e-9), (0, key)
-    for key in ("reward_mean", "grad_norm"):
-        assert two[1][key] == pytest.approx(one[1][key], rel=1e-4), (1, key)
-    w1, w2 = (trained_weights(runs[n]["dir"] / "checkpoints" / "step_00000002", "model") for n in ("one", "two"))
-    assert all((w2[k] - w1[k]).norm() <= 1e-3 * w1[k].norm() for k in w1)
+    assert_two_steps_agree(runs["one"], runs["two"])
 
 
 def test_a_resumed_run_ends_where_the_uninterrupted_one_does(runs):

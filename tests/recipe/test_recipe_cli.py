@@ -22,7 +22,9 @@ def launch(config: str, out, *extra: str) -> subprocess.CompletedProcess:
     return run_script("run.sh", args, extra_env={"MASTER_PORT": str(free_port()), "NPROC": "2"})
 
 
-@pytest.mark.parametrize("kind", ["lora", "full"])
+# The LoRA case with -m slow (CI time): launch/run.sh, the logs and the fields are the same as the full fine-tune's,
+# and a LoRA export loading into FluxPipeline is tests/recipe/test_matching_runs.py's.
+@pytest.mark.parametrize("kind", [pytest.param("lora", marks=pytest.mark.slow), "full"])
 def test_run_sh_trains_logs_and_exports(tmp_path, kind):
     out = tmp_path / "run"
     proc = launch(f"recipes/configs/tiny/grpo_{kind}.yaml", out)

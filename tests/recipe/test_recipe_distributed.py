@@ -146,6 +146,7 @@ def test_full_reference_engine_holds_only_its_shard(full_kl_runs):
     assert full_kl_runs[2]["stats"]["kl"] > 0
 
 
+@pytest.mark.slow  # CI time: an option that is off by default (batch.rollout_micro_batch_size: null)
 def test_a_larger_rollout_micro_batch_changes_nothing_but_rounding(tmp_path, lora_runs):
     """batch.rollout_micro_batch_size=8 with update micro-batch 4: the same trajectories, cut into the same update
     micro-batches, so the same rewards and the same step up to the rounding of another matmul shape (~1e-7 in the

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests import ROOT
 from tests.unit.test_single_process_zero3 import LORA
 
@@ -42,6 +44,7 @@ print(json.dumps({"same": same, "moved": moved, "params": len(weights[False]), "
 """
 
 
+@pytest.mark.slow  # CI time (~85 s); the settings the recipe makes are tests/unit/test_single_process_zero3.py's
 def test_the_contiguous_path_trains_the_same_weights_bit_for_bit():
     env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
            "PATH": "/usr/bin:/bin"}
