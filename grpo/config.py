@@ -74,10 +74,13 @@ class MemoryCaps:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    train_prompts: str = setting(help="your prompt file, a text file with one training prompt per line (the presets "
-                                      "of real models name none: add data.train_prompts=PATH to the command)",
+    train_prompts: str = setting(help="your prompt file: a text file with one training prompt per line, or a dataset "
+                                      "with per-sample metadata (.jsonl, .parquet, a datasets folder, a hub id; "
+                                      "docs/operations.md) (the presets of real models name none: add "
+                                      "data.train_prompts=PATH to the command)",
                                  path=True)
-    eval_prompts: str | None = setting(resume=FREE, path=True, help="held-out prompt file; null = no eval")
+    eval_prompts: str | None = setting(resume=FREE, path=True,
+                                       help="held-out prompt file or dataset (as train_prompts); null = no eval")
     cache_dir: str = setting(resume=FREE, path=True,
                              help="precomputed prompt embeddings (safetensors), keyed by model + prompts")
     max_sequence_length: int = setting(help="text-encoder tokens per prompt (T5 for FLUX.1, Qwen3/Mistral for FLUX.2); "

@@ -54,7 +54,8 @@ def score_heldout(sampler: FluxSampler, rewards, cache: PromptCache, ids: list[i
     with rewards.on_device():
         for chunk, latents in zip(micro_batches(ids, micro_batch), x0):
             im = sampler.decode(latents)
-            scores.append(rewards(im, [cache.prompts[i] for i in _prompt_of(cache, chunk)]).float())
+            rows = _prompt_of(cache, chunk)
+            scores.append(rewards(im, [cache.prompts[i] for i in rows], [cache.metadata[i] for i in rows]).float())
             images.append(im)
     if not images:
         empty = torch.zeros(0, len(rewards.names), device=sampler.device)

@@ -1,6 +1,6 @@
 """Start-up checks of a preset against this machine, shared by the recipe and launch/*.sh.
 
-Batch arithmetic for the world size, the model folder, the DeepSpeed JSON, prompt files, rewards and output_dir, each
+Batch arithmetic for the world size, the model folder, the DeepSpeed JSON, rewards, prompt datasets and output_dir, each
 failing with one line that names the setting and the fix. It imports no DeepSpeed, and diffusers only to check LoRA
 targets against the transformer built on the meta device (no weights), so the launchers run it
 (``python -m tools.check``) in a few seconds before torchrun: a bad setting costs no rank's imports.
@@ -21,7 +21,7 @@ from grpo.config import RecipeConfig
 from grpo.layout import Layout, derive_layout
 from grpo.errors import ConfigError
 from grpo.models import ModelFamily, family_of
-from grpo.rewards import check_rewards
+from grpo.rewards import check_reward_metadata, check_rewards
 
 
 @dataclass
@@ -130,6 +130,15 @@ def check_guidance(model_path: str, guidance: float) -> None:
                           "samples without classifier-free guidance; set sampling.guidance=1.0")
 
 
+def check_prompt_sets(cfg: RecipeConfig) -> None:
+    """The train and eval datasets read and checked row by row (grpo/prompt_sets.py), and their rows' metadata
+    against what the rewards read (after check_rewards, which validates the rewards' options)."""
+    sources = {"data.train_prompts": cfg.data.train_prompts, "data.eval_prompts": cfg.data.eval_prompts}
+    for setting, source in sources.items():
+        if source:
+            check_reward_metadata(cfg.rewards, prompts.read_prompt_set(source, setting), setting, source)
+
+
 def check_output_dir(path: str) -> None:
     """output_dir can be created and written: no file in its way, a writable folder (probed, then removed)."""
     out = Path(path)
@@ -152,7 +161,8 @@ def check_inputs(cfg: RecipeConfig, world_size: int) -> Inputs:
     """The recipe's start-up checks that need no model weights, accelerator or process group.
 
     Batch arithmetic for `world_size`, the model folder (or hub cache), LoRA targets (against the model's config),
-    the DeepSpeed JSON, prompt files, rewards (names, options, model files), wandb, output_dir (writable, no other
+    the DeepSpeed JSON, rewards (names, options, model files), prompt datasets (every row, and the metadata the
+    rewards read), wandb, output_dir (writable, no other
     job's lock, empty for a new run), and the resume checkpoint's structure (meta.json, files present; the ranks hash
     the files).
     """
@@ -162,10 +172,8 @@ def check_inputs(cfg: RecipeConfig, world_size: int) -> Inputs:
     if cfg.lora is not None:
         check_lora_targets_on_config(model_path, cfg.lora.target_modules)
     check_guidance(model_path, cfg.sampling.guidance)
-    prompts.read_prompt_file(cfg.data.train_prompts, "data.train_prompts")
-    if cfg.data.eval_prompts:
-        prompts.read_prompt_file(cfg.data.eval_prompts, "data.eval_prompts")
     check_rewards(cfg.rewards)
+    check_prompt_sets(cfg)
     metrics.check_wandb(cfg.logging.wandb)
     check_output_dir(cfg.output_dir)
     if not dist.is_initialized():  # the recipe's ranks: rank 0 takes the lock next (grpo/lock.py take), or fails alike

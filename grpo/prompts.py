@@ -3,7 +3,8 @@
 Training never holds the text encoders: `python -m tools.prompts CONFIG [key=value ...]` encodes the train and eval
 prompt files once with the pipeline's own `encode_prompt` (through the model family, grpo.models) into safetensors
 files under `data.cache_dir`, named by a hash of (model, max_sequence_length, prompts), so a changed prompt file or
-model never reads a stale cache.
+model never reads a stale cache. The prompt files may be datasets with per-sample metadata (grpo/prompt_sets.py);
+the metadata is read from the dataset with the cache, never stored in it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import hashlib
 import json
 import logging
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -22,29 +23,14 @@ from safetensors.torch import load_file, save_file
 
 from grpo.config import DataConfig, MemoryCaps
 from grpo.device import accelerator, resolve_dtype
-from grpo.errors import ConfigError
 from grpo.models import family_of
 from grpo.models.base import Placement
+from grpo.prompt_sets import PromptSet, read_prompt_file, read_prompt_set
+
+__all__ = ["PromptCache", "PromptSet", "read_prompt_file", "read_prompt_set", "cache_file", "encode", "save_cache",
+           "load_cache", "ensure_cache"]
 
 log = logging.getLogger(__name__)
-
-
-def read_prompt_file(path: str | Path, setting: str = "data.train_prompts") -> list[str]:
-    """One prompt per line; blank lines and lines starting with '#' are skipped."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{setting}: {path} does not exist; give a text file with one prompt per line")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"{setting}: {path} is not UTF-8 text; save it as UTF-8 with one prompt per line") from None
-    if "\x00" in text:
-        raise ConfigError(f"{setting}: {path} looks binary (NUL bytes); give a text file with one prompt per line")
-    prompts = [line.strip() for line in text.splitlines()]
-    prompts = [p for p in prompts if p and not p.startswith("#")]
-    if not prompts:
-        raise ConfigError(f"{setting}: {path} holds no prompts; write one prompt per line")
-    return prompts
 
 
 def cache_file(cache_dir: str | Path, model_path: str, prompts: list[str], max_sequence_length: int,
@@ -69,6 +55,14 @@ class PromptCache:
 
     prompts: list[str]
     embeds: dict[str, torch.Tensor]
+    # Row i's dataset fields other than its prompt (grpo/prompt_sets.py), handed to the rewards with prompt i
+    metadata: list[dict] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.metadata:
+            self.metadata = [{} for _ in self.prompts]
+        if len(self.metadata) != len(self.prompts):
+            raise ValueError(f"{len(self.metadata)} metadata rows for {len(self.prompts)} prompts")
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -108,18 +102,22 @@ def save_cache(cache: PromptCache, path: str | Path) -> None:
     tmp.replace(path)  # atomic: a reader never sees half a cache
 
 
-def load_cache(path: str | Path) -> PromptCache:
+def load_cache(path: str | Path, rows: PromptSet | None = None) -> PromptCache:
+    """The cache at `path`, with the metadata of `rows` (the dataset it was encoded from) when given."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
         prompts = json.loads(f.metadata()["prompts"])
-    return PromptCache(prompts, load_file(str(path)))
+    if rows is not None and rows.prompts != prompts:  # the cache name hashes the prompts: only a bug gets here
+        raise RuntimeError(f"{path} holds other prompts than the dataset it is loaded for")
+    return PromptCache(prompts, load_file(str(path)), rows.metadata if rows is not None else [])
 
 
-def ensure_cache(model_path: str, prompt_file: str, setting: str, data: DataConfig, device: torch.device) -> Path:
+def ensure_cache(model_path: str, prompt_file: str, setting: str, data: DataConfig, device: torch.device,
+                 rows: PromptSet | None = None) -> Path:
     """Return the cache file for `prompt_file` under the preset's `data:` settings, encoding it first if it is not
-    there yet."""
-    prompts = read_prompt_file(prompt_file, setting)
+    there yet. `rows`: the dataset already read from `prompt_file` (else it is read here)."""
+    prompts = (rows or read_prompt_set(prompt_file, setting)).prompts
     path = cache_file(data.cache_dir, model_path, prompts, data.max_sequence_length, Path(prompt_file).stem,
                       data.text_encoder_dtype)
     if not path.is_file():

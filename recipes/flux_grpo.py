@@ -4,7 +4,7 @@ forward-process objectives DiffusionNFT and AWM, in one recipe (`algorithm: grpo
 One step (`step()`, which the training loop, the tools and the tests all run) reads top to bottom as the algorithm:
     rollout    each rank samples its share of the step's images (grpo: the SDE sampler, recording latents and
                log-probs, optionally only inside an SDE window; nft: the lagging policy's sampler; awm: the policy's)
-    reward     each rank scores its own images; only scalars cross ranks
+    reward     each rank scores its own images (with their prompts and dataset metadata); only scalars cross ranks
     advantage  rewards are gathered with their global sample index and normalised within each prompt's group
                (a tree: per depth, over its nodes)
     reference  grpo: the reference policy's SDE means (kl_coef > 0); nft/awm: the clean samples noised at sampled
@@ -82,7 +82,7 @@ from grpo.loading import transformer_loader
 from grpo.loss import poison_nonfinite
 from grpo.metrics import MetricsLogger, progress, save_grid
 from grpo.profiling import PhaseClock, StepProfiler
-from grpo.prompts import ensure_cache, load_cache
+from grpo.prompts import ensure_cache, load_cache, read_prompt_set
 from grpo.objectives import Models
 from grpo.rewards import build_rewards, finite_check, mix
 from grpo.rollout import FluxSampler
@@ -170,14 +170,15 @@ class FluxGRPORecipe:
         files = {"train": (d.train_prompts, "data.train_prompts")}
         if d.eval_prompts:
             files["eval"] = (d.eval_prompts, "data.eval_prompts")
-        paths = {}
+        caches = {}
         for name, (prompt_file, setting) in files.items():
+            rows = read_prompt_set(prompt_file, setting)  # prompts and each row's metadata, read fresh every start
             if self.rank == 0:
-                ensure_cache(self.model_path, prompt_file, setting, d, self.device)
+                ensure_cache(self.model_path, prompt_file, setting, d, self.device, rows)
             dist.barrier()
-            paths[name] = ensure_cache(self.model_path, prompt_file, setting, d, self.device)
-        self.train_prompts = load_cache(paths["train"])
-        self.eval_prompts = load_cache(paths["eval"]) if "eval" in paths else None
+            caches[name] = load_cache(ensure_cache(self.model_path, prompt_file, setting, d, self.device, rows), rows)
+        self.train_prompts = caches["train"]
+        self.eval_prompts = caches.get("eval")
 
     def _setup_run_state(self) -> None:
         """EMA, the lagging policy (nft, awm), the checkpoint to resume from (weights, optimizer, RNG, counters),
@@ -336,7 +337,8 @@ class FluxGRPORecipe:
         with self.rewards.on_device():
             for c in chunks:
                 prompts = [self.train_prompts.prompts[i] for i in c.prompt_idx]
-                local.append(self.rewards(c.images, prompts).float())
+                metadata = [self.train_prompts.metadata[i] for i in c.prompt_idx]  # its dataset row, like the prompt
+                local.append(self.rewards(c.images, prompts, metadata).float())
                 ids.extend(c.ids)
         local = health.inject("nan_reward", step, self.rank, torch.cat(local))  # a no-op outside fault tests
         components = gather_by_index(local, torch.tensor(ids, device=local.device), self.layout.samples_per_step)

@@ -30,8 +30,8 @@ from grpo.inputs import load_ds_config, resolve_model_path
 from grpo.layout import derive_layout
 from grpo.models import family_of
 from grpo.metrics import save_grid
-from grpo.prompts import ensure_cache, load_cache, read_prompt_file
-from grpo.rewards import build_rewards, check_rewards, mix
+from grpo.prompts import ensure_cache, load_cache, read_prompt_set
+from grpo.rewards import build_rewards, check_reward_metadata, check_rewards, mix
 from grpo.rollout import FluxSampler
 
 log = logging.getLogger(__name__)
@@ -71,8 +71,9 @@ def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weight
     ds = load_ds_config(cfg.deepspeed.config, cfg, layout)
     dtype = eng.precision(ds)
     model_path = resolve_model_path(cfg.model.path, cfg.model.revision)
-    read_prompt_file(cfg.data.eval_prompts, "data.eval_prompts")
     check_rewards(cfg.rewards)
+    rows = read_prompt_set(cfg.data.eval_prompts, "data.eval_prompts")
+    check_reward_metadata(cfg.rewards, rows, "data.eval_prompts", cfg.data.eval_prompts)
     if weights not in ("auto", "ema", "model"):
         raise ConfigError(f"weights: {weights!r}; use auto, ema or model")
     if checkpoint is None:
@@ -84,7 +85,8 @@ def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weight
     state, meta = trained_weights(found, weights) if found is not None else (None, None)
 
     device = dev.device_for_local_rank(0)
-    cache = load_cache(ensure_cache(model_path, cfg.data.eval_prompts, "data.eval_prompts", cfg.data, device))
+    cache = load_cache(ensure_cache(model_path, cfg.data.eval_prompts, "data.eval_prompts", cfg.data, device, rows),
+                       rows)
     parts = family_of(model_path).load_parts(model_path, vae_dtype=dev.resolve_dtype(cfg.model.dtype),
                                              transformer_dtype=dtype)
     model = parts.transformer.to(device).eval()
@@ -100,7 +102,8 @@ def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weight
         return images, comps, mix(comps, rewards.weights.to(comps.device), None, False)
 
     base_images, base_comps, base_total = run()
-    result = {"prompts": list(cache.prompts), "base": _summary(base_comps, base_total, rewards.names, len(cache)),
+    result = {"prompts": list(cache.prompts), "metadata": list(cache.metadata),
+              "base": _summary(base_comps, base_total, rewards.names, len(cache)),
               "checkpoint": None, "images": {"base": base_images.cpu()}}
     if found is not None:
         apply_weights(model, state, meta)

@@ -1,4 +1,4 @@
-"""Precompute a preset's prompt-embedding caches (train and eval prompt files) before training.
+"""Precompute a preset's prompt-embedding caches (train and eval prompt files or datasets) before training.
 
     python -m tools.prompts CONFIG [key=value ...]
 """

@@ -1,4 +1,5 @@
-"""The reward interface: images in [0, 1] + prompts -> one float32 score per image, batched, without gradients."""
+"""The reward interface: images in [0, 1] + prompts (+ each sample's dataset metadata) -> one float32 score per image,
+batched, without gradients."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from grpo.rewards.hub import FileRef
 from grpo.rewards.options import CommonOptions, parse_dtype
 from grpo.rewards.preprocess import check_images
 
-__all__ = ["Reward", "ModelReward", "unique_prompts", "freeze", "to_uint8", "quantize_uint8", "cast_keeping_norms_fp32"]
+__all__ = ["Reward", "ModelReward", "per_sample", "unique_prompts", "freeze", "to_uint8", "quantize_uint8",
+           "cast_keeping_norms_fp32"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +28,15 @@ def unique_prompts(prompts: Sequence[str]) -> tuple[list[str], Tensor]:
     index: dict[str, int] = {}
     inverse = [index.setdefault(p, len(index)) for p in prompts]
     return list(index), torch.tensor(inverse, dtype=torch.long)
+
+
+def per_sample(metadata: Sequence[dict] | None, n: int) -> list[dict]:
+    """One metadata dict per sample: None (a caller with prompts only, a .txt dataset) is n empty ones."""
+    if metadata is None:
+        return [{} for _ in range(n)]
+    if len(metadata) != n:
+        raise ValueError(f"{len(metadata)} metadata rows for {n} images; give one dict per image")
+    return list(metadata)
 
 
 def freeze(module: nn.Module) -> nn.Module:
@@ -82,7 +93,9 @@ class Reward:
     """Base class: splits batches, moves images to where the model is and scores back to the images' device.
 
     Subclasses implement `score` (images already on `self.device`, at most `batch_size` of them) and, for models,
-    list their modules in `modules()` so `load`/`offload` can move them.
+    list their modules in `modules()` so `load`/`offload` can move them. Rewards that read each sample's metadata (its
+    dataset row's fields other than the prompt, grpo/prompt_sets.py) implement `score_samples` instead, and check
+    the rows they will read at start-up in `check_metadata`.
 
     Class attributes:
         OPTIONS: the dataclass of options the preset may set (grpo/rewards/options.py; validated by check_rewards).
@@ -121,13 +134,25 @@ class Reward:
         """Scores one chunk: images [b, 3, H, W] in [0, 1] on `self.device` -> [b] (any float dtype)."""
         raise NotImplementedError
 
+    def score_samples(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
+        """`score` with each sample's metadata (one dict per image, {} when the dataset has none); the rewards that
+        read only the prompts keep this default, which leaves it out."""
+        return self.score(images, prompts)
+
+    @classmethod
+    def check_metadata(cls, metadata: dict, options: dict[str, Any]) -> None:
+        """Start-up check of one dataset row's metadata, for the rewards that read it: raise ValueError with the
+        rest of a sentence saying what is wrong (e.g. "has no 'color' ..."); the caller names the file and row."""
+
     @torch.no_grad()
-    def __call__(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
+    def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> Tensor:
         """Scores a batch.
 
         Args:
             images: [B, 3, H, W] float in [0, 1], any device.
             prompts: B prompts.
+            metadata: B dicts, each sample's dataset metadata; None = none (every reward that reads no metadata
+                scores the same either way).
 
         Returns:
             float32 [B] on the images' device.
@@ -135,10 +160,12 @@ class Reward:
         check_images(images, prompts)
         prompts = list(prompts)
         n = images.shape[0]
+        metadata = per_sample(metadata, n)
         step = self.batch_size or max(n, 1)
         device = self.device
         out = [
-            self.score(self.prepare(images[i : i + step].to(device)), prompts[i : i + step]).float().reshape(-1)
+            self.score_samples(self.prepare(images[i : i + step].to(device)), prompts[i : i + step],
+                               metadata[i : i + step]).float().reshape(-1)
             for i in range(0, n, step)
         ]
         scores = torch.cat(out) if out else torch.zeros(0)

@@ -1,4 +1,5 @@
-"""Rewards computed by code, without a model: the tiny world's prompt-conditioned score and DDPO's JPEG rewards."""
+"""Rewards computed by code, without a model: the tiny world's score (from the prompt text, or from each sample's
+metadata) and DDPO's JPEG rewards."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from grpo.rewards.base import Reward
 from grpo.rewards.options import CommonOptions
 from grpo.schema import setting
 
-__all__ = ["TinyWorldReward", "JpegIncompressibility", "JpegCompressibility", "jpeg_kilobytes"]
+__all__ = ["TinyWorldReward", "TinyWorldMetaReward", "JpegIncompressibility", "JpegCompressibility", "jpeg_kilobytes"]
 
 
 class TinyWorldReward(Reward):
@@ -36,14 +37,30 @@ class TinyWorldReward(Reward):
         # Imported here so that the reward package does not import the tiny world unless it is used.
         from grpo.tiny import world
 
-        self._score = world.score
+        self.world = world
 
     @property
     def device(self) -> torch.device:
         return self._device
 
     def score(self, images: Tensor, prompts: list[str]) -> Tensor:
-        return self._score(images, prompts)
+        return self.world.score(images, prompts)
+
+
+class TinyWorldMetaReward(TinyWorldReward):
+    """tiny_world's score of the scene each sample's metadata names (color, shape, background: the fields of
+    assets/prompts/tiny_*.jsonl), its prompt text unread; on the world's own rows it equals tiny_world."""
+
+    DESCRIPTION = "tiny_world scored from each sample's metadata (color, shape, background), not the prompt text"
+
+    @classmethod
+    def check_metadata(cls, metadata: dict, options: dict[str, Any]) -> None:
+        from grpo.tiny import world
+
+        world.scene(metadata)
+
+    def score_samples(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
+        return self.world.score_scenes(images, [self.world.scene(m) for m in metadata])
 
 
 def jpeg_kilobytes(images: Tensor, quality: int = 95) -> Tensor:

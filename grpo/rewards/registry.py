@@ -4,7 +4,8 @@ Spec (the preset's `rewards:` map, YAML -> dict): `{name: {weight: w, **options}
 for `{weight: number}`. A name is a registered reward, optionally with an "@label" suffix to use one reward twice
 (`clip_score@dfn: {pretrained: dfn5b, model: ViT-H-14-378}`), or "pkg.module:factory" for a reward defined
 elsewhere: `factory(**options)` (options other than weight and batch_size) must return a callable
-`(images [B, 3, H, W] in [0, 1], prompts) -> [B]`, or a `grpo.rewards.base.Reward`.
+`(images [B, 3, H, W] in [0, 1], prompts) -> [B]` (given `metadata=`, one dict per image, when it has a parameter of
+that name), or a `grpo.rewards.base.Reward`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from grpo.rewards.hub import locate
 from grpo.rewards.options import CommonOptions, validate_options
 from grpo.schema import describe
 
-__all__ = ["REGISTRY", "Rewards", "check_rewards", "build_rewards", "reward_class", "normalize_spec", "describe_rewards"]
+__all__ = ["REGISTRY", "Rewards", "check_rewards", "check_reward_metadata", "build_rewards", "reward_class",
+           "normalize_spec", "describe_rewards"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,7 @@ REGISTRY: dict[str, str] = {
     "clip_score": "grpo.rewards.clip_score:ClipScoreReward",
     "aesthetic": "grpo.rewards.aesthetic:AestheticReward",
     "tiny_world": "grpo.rewards.programmatic:TinyWorldReward",
+    "tiny_world_meta": "grpo.rewards.programmatic:TinyWorldMetaReward",
     "jpeg_compressibility": "grpo.rewards.programmatic:JpegCompressibility",
     "jpeg_incompressibility": "grpo.rewards.programmatic:JpegIncompressibility",
     "remote": "grpo.rewards.remote:RemoteReward",
@@ -92,6 +95,8 @@ class _CustomReward(Reward):
     def __init__(self, name: str, fn: Callable[[Tensor, list[str]], Tensor], batch_size: int | None) -> None:
         super().__init__(name, batch_size)
         self.fn = fn
+        # A callable written before metadata existed takes (images, prompts) only
+        self._with_metadata = fn if _takes_metadata(fn) else lambda images, prompts, metadata: fn(images, prompts)
         self._images_device = torch.device("cpu")
 
     @property
@@ -99,12 +104,23 @@ class _CustomReward(Reward):
         # Unknown to us: score where the images are.
         return self._images_device
 
-    def __call__(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
+    def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> Tensor:
         self._images_device = images.device
-        return super().__call__(images, prompts)
+        return super().__call__(images, prompts, metadata)
 
     def score(self, images: Tensor, prompts: list[str]) -> Tensor:
         return torch.as_tensor(self.fn(images, prompts))
+
+    def score_samples(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
+        return torch.as_tensor(self._with_metadata(images, prompts, metadata=metadata))
+
+
+def _takes_metadata(fn: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+    return "metadata" in params
 
 
 _COMMON = {f.name for f in dataclasses.fields(CommonOptions)}
@@ -160,6 +176,23 @@ def check_rewards(spec: dict[str, Any]) -> None:
         cls.probe(options, setting)
 
 
+def check_reward_metadata(spec: dict[str, Any], rows, setting: str, source: str) -> None:
+    """Start-up check that every row of a dataset (grpo.prompt_sets.PromptSet read from `source`, the value of
+    `setting`) carries the metadata its rewards read (Reward.check_metadata); the first bad row fails, naming the
+    setting, the file, the row and the reward."""
+    for key, raw in normalize_spec(spec).items():
+        cls = _entry(key)
+        if cls is None:
+            continue  # your own factory's reward checks what it reads itself
+        options = validate_options(raw, cls.OPTIONS, f"rewards.{key}")
+        for where, metadata in zip(rows.rows, rows.metadata):
+            try:
+                cls.check_metadata(metadata, options)
+            except ValueError as err:
+                raise ConfigError(f"{setting}: {source} {where} {err}, which rewards.{key} reads; give a dataset "
+                                  f"whose rows carry it") from None
+
+
 def describe_rewards() -> list[str]:
     """Each registered reward, its description and its options (type, default, help): `--list` and `--help`."""
     lines = []
@@ -211,17 +244,18 @@ class Rewards:
         return self.rewards[name]
 
     @torch.no_grad()
-    def __call__(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
+    def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> Tensor:
         """Raw per-component scores.
 
         Args:
             images: [B, 3, H, W] float in [0, 1] (this rank's images only).
             prompts: B prompts.
+            metadata: B dicts, each sample's dataset metadata (grpo/prompt_sets.py); None = none.
 
         Returns:
             float32 [B, R] on the images' device, column r = reward names[r] (unweighted, unnormalised).
         """
-        return torch.stack([self.rewards[n](images, prompts) for n in self.names], dim=1)
+        return torch.stack([self.rewards[n](images, prompts, metadata) for n in self.names], dim=1)
 
     def load(self) -> None:
         """Moves offloaded reward models to their scoring device."""
@@ -235,7 +269,7 @@ class Rewards:
 
     @contextlib.contextmanager
     def on_device(self) -> Iterator[Rewards]:
-        """Wrap a scoring phase: `with rewards.on_device(): comps = rewards(images, prompts)`.
+        """Wrap a scoring phase: `with rewards.on_device(): comps = rewards(images, prompts, metadata)`.
 
         Loads offloaded models on entry and offloads them on exit (a no-op for rewards without `offload: true`).
         """

@@ -8,7 +8,10 @@ batch composition (the server batches concurrent requests together). Rewards tha
 `quantize: false`) see the uint8 levels instead.
 
 Wire format: the request body and the answer are safetensors files (no pickle, exact bits, NaN passes):
-request {"images": uint8 [B, 3, H, W]} with metadata {"prompts": JSON list}, answer {"scores": float32 [B]}.
+request {"images": uint8 [B, 3, H, W]} with metadata {"prompts": JSON list, "metadata": JSON list of B objects (each
+sample's dataset metadata; a server before it ignores it, a client before it sends none: empty objects)}, answer
+{"scores": float32 [B]}. Image paths in the metadata are the client's; a served reward that reads them needs the
+same paths on the server.
 Errors are JSON {"error": "one line"} with HTTP 400 (bad request), 404 (reward not served) or 500 (scoring failed).
 """
 
@@ -29,23 +32,33 @@ from grpo.rewards.base import Reward, to_uint8
 from grpo.rewards.client import Service, ServiceError, ServiceOptions
 from grpo.schema import setting
 
-__all__ = ["RemoteReward", "RemoteOptions", "encode_images", "decode_images", "encode_scores", "decode_scores",
-           "SERVE_COMMAND"]
+__all__ = ["RemoteReward", "RemoteOptions", "encode_images", "decode_images", "decode_request", "encode_scores",
+           "decode_scores", "SERVE_COMMAND"]
 
 SERVE_COMMAND = "python -m tools.rewards serve CONFIG --host HOST --port PORT"
 
 
-def encode_images(images: Tensor, prompts: list[str]) -> bytes:
-    """uint8 [B, 3, H, W] images + B prompts -> request body."""
-    return st_save({"images": images.contiguous().cpu()}, metadata={"prompts": json.dumps(prompts)})
+def encode_images(images: Tensor, prompts: list[str], metadata: list[dict] | None = None) -> bytes:
+    """uint8 [B, 3, H, W] images + B prompts (+ B metadata dicts) -> request body."""
+    header = {"prompts": json.dumps(prompts)}
+    if metadata is not None:
+        header["metadata"] = json.dumps(metadata)
+    return st_save({"images": images.contiguous().cpu()}, metadata=header)
 
 
 def decode_images(body: bytes) -> tuple[Tensor, list[str]]:
     """Request body -> (uint8 [B, 3, H, W], prompts). ValueError (one line) for anything else."""
+    images, prompts, _ = decode_request(body)
+    return images, prompts
+
+
+def decode_request(body: bytes) -> tuple[Tensor, list[str], list[dict]]:
+    """Request body -> (uint8 [B, 3, H, W], prompts, metadata: B dicts, empty when the client sent none)."""
     try:
         tensors = st_load(body)
-        metadata = _metadata(body)
-        prompts = json.loads(metadata["prompts"])
+        header = _metadata(body)
+        prompts = json.loads(header["prompts"])
+        metadata = json.loads(header["metadata"]) if "metadata" in header else None
     except Exception as err:  # safetensors' own errors, JSON errors, a missing key
         raise ValueError(f"the body is not a safetensors file with images and prompts ({type(err).__name__})") from None
     images = tensors.get("images")
@@ -53,7 +66,11 @@ def decode_images(body: bytes) -> tuple[Tensor, list[str]]:
         raise ValueError("expected images: uint8 [B, 3, H, W]")
     if not isinstance(prompts, list) or len(prompts) != images.shape[0] or not all(isinstance(p, str) for p in prompts):
         raise ValueError(f"expected {images.shape[0]} prompts (strings), one per image")
-    return images, prompts
+    metadata = [{} for _ in prompts] if metadata is None else metadata
+    one_each = isinstance(metadata, list) and len(metadata) == len(prompts)
+    if not (one_each and all(isinstance(m, dict) for m in metadata)):
+        raise ValueError(f"expected metadata: {len(prompts)} JSON objects, one per image")
+    return images, prompts, metadata
 
 
 def _metadata(body: bytes) -> dict[str, str]:
@@ -78,7 +95,8 @@ class RemoteOptions(ServiceOptions):
 class RemoteReward(Reward):
     """Scores through a reward server; batch_size images per request."""
 
-    DESCRIPTION = f"a reward served by `{SERVE_COMMAND}` elsewhere: this rank's uint8 images + prompts over HTTP"
+    DESCRIPTION = (f"a reward served by `{SERVE_COMMAND}` elsewhere: this rank's uint8 images + prompts + metadata "
+                   f"over HTTP")
     OPTIONS = RemoteOptions
 
     @classmethod
@@ -99,7 +117,10 @@ class RemoteReward(Reward):
         self.path = "/score/" + quote(options["reward"], safe="")
 
     def score(self, images: Tensor, prompts: list[str]) -> Tensor:
-        response = self.service.post(self.path, data=encode_images(to_uint8(images), prompts))
+        return self.score_samples(images, prompts, [{} for _ in prompts])
+
+    def score_samples(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
+        response = self.service.post(self.path, data=encode_images(to_uint8(images), prompts, metadata))
         try:
             scores = decode_scores(response.content)
         except Exception as err:

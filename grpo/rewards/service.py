@@ -1,7 +1,8 @@
 """The reward server behind `python -m tools.rewards serve`: a FastAPI app scoring loaded rewards for `remote` rewards.
 
     GET  /health          {"status": "ok", "rewards": [names]}
-    POST /score/{name}    safetensors body (grpo/rewards/remote.py) -> safetensors {"scores": float32 [B]}
+    POST /score/{name}    safetensors body: images, prompts, metadata (grpo/rewards/remote.py) -> safetensors
+                          {"scores": float32 [B]}
 
 One worker thread scores: a model is never run by two threads at once, and requests that wait together are scored
 together. It takes the first waiting request, then whatever else arrives within `wait_s` (up to `max_images`
@@ -27,7 +28,8 @@ from torch import Tensor
 
 from grpo.rewards.openclip_loader import first_line
 from grpo.rewards.registry import Rewards
-from grpo.rewards.remote import decode_images, encode_scores
+from grpo.rewards.base import per_sample
+from grpo.rewards.remote import decode_request, encode_scores
 
 __all__ = ["Batcher", "make_app"]
 
@@ -39,6 +41,7 @@ class _Job:
     name: str
     images: Tensor  # uint8 [B, 3, H, W]
     prompts: list[str]
+    metadata: list[dict]  # one dict per image: its dataset metadata, {} when the client sent none
     future: Future = field(default_factory=Future)
 
 
@@ -60,9 +63,9 @@ class Batcher:
         self._thread = threading.Thread(target=self._run, name="reward-batcher", daemon=True)
         self._thread.start()
 
-    def submit(self, name: str, images: Tensor, prompts: list[str]) -> Future:
+    def submit(self, name: str, images: Tensor, prompts: list[str], metadata: list[dict] | None = None) -> Future:
         """Queues uint8 images of one reward; the future gets float32 [B] scores on the CPU, or the scoring error."""
-        job = _Job(name, images, prompts)
+        job = _Job(name, images, prompts, per_sample(metadata, len(prompts)))
         self._queue.put(job)
         return job.future
 
@@ -103,7 +106,8 @@ class Batcher:
         try:
             images = torch.cat([j.images for j in jobs]).float().div_(255)  # uint8 levels: exact in float32
             prompts = [p for j in jobs for p in j.prompts]
-            scores = self.rewards[name](images, prompts).float().cpu()
+            metadata = [m for j in jobs for m in j.metadata]
+            scores = self.rewards[name](images, prompts, metadata).float().cpu()
         except Exception as err:  # a reward's failure goes back to the requests that asked for it
             logger.error("scoring %d requests with %s failed: %s", len(jobs), name, first_line(err))
             for j in jobs:
@@ -133,11 +137,11 @@ def make_app(batcher: Batcher) -> FastAPI:
         if name not in names:
             return _error(404, f"reward {name!r} is not served here; served: {', '.join(names)}")
         try:
-            images, prompts = decode_images(await request.body())
+            images, prompts, metadata = decode_request(await request.body())
         except ValueError as err:
             return _error(400, str(err))
         try:
-            scores = await asyncio.wrap_future(batcher.submit(name, images, prompts))
+            scores = await asyncio.wrap_future(batcher.submit(name, images, prompts, metadata))
         except Exception as err:
             return _error(500, f"{name}: {first_line(err)}")
         return Response(encode_scores(scores), media_type="application/octet-stream")

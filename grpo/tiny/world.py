@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import re
 
 import torch
@@ -77,12 +78,43 @@ def parse(prompt: str) -> tuple[str, str, str]:
         ValueError: the prompt is not one of `all_prompts()`.
     """
     m = _PROMPT_RE.match(prompt.strip())
-    if m is None or m[1] not in COLORS or m[2] not in SHAPES or m[3] not in COLORS or m[1] == m[3]:
+    if m is None or not _valid(m[1], m[2], m[3]):
         raise ValueError(
             f"prompt {prompt!r} is not of the tiny world; expected {TEMPLATE!r} with colours {list(COLORS)}, "
             f"shapes {list(SHAPES)} and colour != background"
         )
     return m[1], m[2], m[3]
+
+
+def _valid(color: str, shape: str, background: str) -> bool:
+    return color in COLORS and shape in SHAPES and background in COLORS and color != background
+
+
+SCENE_FIELDS = ("color", "shape", "background")
+
+
+def record(prompt: str) -> dict[str, str]:
+    """A prompt as a dataset row: {"prompt", "color", "shape", "background"}, the fields `scene` reads back.
+
+    The parts come from `parse`, so a row's metadata always says what its prompt says."""
+    return {"prompt": prompt, **dict(zip(SCENE_FIELDS, parse(prompt)))}
+
+
+def scene(metadata: dict) -> tuple[str, str, str]:
+    """(color, shape, background) from a sample's metadata fields (a `record` without its prompt).
+
+    Raises:
+        ValueError: a field is missing, or the three are not a scene of the world (as `parse` checks a prompt).
+    """
+    missing = [f for f in SCENE_FIELDS if f not in metadata]
+    if missing:
+        raise ValueError(f"has no {', '.join(repr(f) for f in missing)} (tiny world rows carry {list(SCENE_FIELDS)}, "
+                         f"e.g. assets/prompts/tiny_train.jsonl)")
+    parts = tuple(metadata[f] for f in SCENE_FIELDS)
+    if not all(isinstance(p, str) for p in parts) or not _valid(*parts):
+        raise ValueError(f"has the scene {dict(zip(SCENE_FIELDS, parts))}, not one of the tiny world; use colours "
+                         f"{list(COLORS)}, shapes {list(SHAPES)} and colour != background")
+    return parts
 
 
 def split_prompts(every: int = 5) -> tuple[list[str], list[str]]:
@@ -106,9 +138,19 @@ def split_prompts(every: int = 5) -> tuple[list[str], list[str]]:
     return train, heldout
 
 
-def _parts(prompts: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Parsed prompts as tensors: shape colours [B, 3], background colours [B, 3], shape indices [B]."""
-    parsed = [parse(p) for p in prompts]
+def prompt_files() -> dict[str, str]:
+    """The text of assets/prompts/tiny_{train,heldout}.{txt,jsonl} (python -m tools.tiny_prompts writes them): the
+    split's prompts, one a line, and the same prompts as JSON Lines rows of `record` (prompt + scene metadata)."""
+    files = {}
+    for name, prompts in zip(("tiny_train", "tiny_heldout"), split_prompts()):
+        files[f"{name}.txt"] = "".join(f"{p}\n" for p in prompts)
+        files[f"{name}.jsonl"] = "".join(json.dumps(record(p)) + "\n" for p in prompts)
+    return files
+
+
+def _parts(parsed: list[tuple[str, str, str]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scenes (color, shape, background) as tensors: shape colours [B, 3], background colours [B, 3], shape indices
+    [B]."""
     fg = torch.tensor([COLORS[c] for c, _, _ in parsed], dtype=torch.float32, device=device)
     bg = torch.tensor([COLORS[b] for _, _, b in parsed], dtype=torch.float32, device=device)
     shape = torch.tensor([SHAPES.index(s) for _, s, _ in parsed], dtype=torch.long, device=device)
@@ -155,7 +197,7 @@ def render(
         float32 [B, 3, size, size] in [0, 1].
     """
     device = torch.device(device)
-    fg, bg, shape = _parts(prompts, device)
+    fg, bg, shape = _parts([parse(p) for p in prompts], device)
     n = len(prompts)
     u = torch.rand(n, 3, generator=generator).to(device)
     cx = 0.5 + (2 * u[:, 0] - 1) * JITTER
@@ -237,13 +279,18 @@ def score_terms(images: torch.Tensor, prompts: list[str]) -> dict[str, torch.Ten
     Returns:
         {"background": ..., "presence": ..., "form": ...}.
     """
-    if images.ndim != 4 or images.shape[1] != 3 or images.shape[0] != len(prompts):
+    return scene_terms(images, [parse(p) for p in prompts])
+
+
+def scene_terms(images: torch.Tensor, scenes: list[tuple[str, str, str]]) -> dict[str, torch.Tensor]:
+    """`score_terms` for scenes (color, shape, background) given as such rather than as prompts to parse."""
+    if images.ndim != 4 or images.shape[1] != 3 or images.shape[0] != len(scenes):
         raise ValueError(
-            f"images of shape {tuple(images.shape)} do not match {len(prompts)} prompts; expected [B, 3, H, W]"
+            f"images of shape {tuple(images.shape)} do not match {len(scenes)} prompts; expected [B, 3, H, W]"
         )
     with torch.no_grad():
         x = images.detach().float().clamp(0, 1)
-        fg, bg, shape = _parts(prompts, x.device)
+        fg, bg, shape = _parts(scenes, x.device)
         h, w = x.shape[-2:]
         ring = max(1, round(min(h, w) / 16))
         border = torch.ones(h, w, dtype=torch.bool, device=x.device)
@@ -272,5 +319,10 @@ def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         float32 [B] in [0, 1] on the images' device: the mean of the background, presence and form terms.
         Rendered ground truth scores ~1, a blank background ~1/3, a wrong colour ~1/3, a wrong shape ~0.7.
     """
-    terms = score_terms(images, prompts)
+    return score_scenes(images, [parse(p) for p in prompts])
+
+
+def score_scenes(images: torch.Tensor, scenes: list[tuple[str, str, str]]) -> torch.Tensor:
+    """`score` for scenes (color, shape, background), e.g. read by `scene` from each sample's metadata."""
+    terms = scene_terms(images, scenes)
     return ((terms["background"] + terms["presence"] + terms["form"]) / 3).float()

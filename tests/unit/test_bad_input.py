@@ -51,6 +51,11 @@ def _cases(tmp: Path) -> list[dict]:
     binary_prompts.write_bytes(b"\x00\x01\x02 a red circle\n")
     latin1_prompts = tmp / "latin1.txt"
     latin1_prompts.write_bytes("a caf\xe9 on a red background\n".encode("latin-1"))
+    no_prompt_jsonl = tmp / "no_prompt.jsonl"
+    no_prompt_jsonl.write_text('{"prompt": "a red circle on a blue background"}\n{"caption": "a cat"}\n')
+    bad_image_jsonl = tmp / "bad_image.jsonl"
+    (tmp / "broken.png").write_bytes(b"not a png")
+    bad_image_jsonl.write_text('{"prompt": "a cat", "image": "broken.png"}\n')
     no_index = tmp / "not_a_model"
     no_index.mkdir()
     ds_stage2 = tmp / "ds2.json"
@@ -114,6 +119,9 @@ def _cases(tmp: Path) -> list[dict]:
         ("empty prompt file", [f"data.train_prompts={empty_prompts}"], "data.train_prompts"),
         ("binary prompt file", [f"data.train_prompts={binary_prompts}"], "data.train_prompts"),
         ("non-UTF-8 prompt file", [f"data.eval_prompts={latin1_prompts}"], "data.eval_prompts"),
+        ("dataset row without a prompt", [f"data.train_prompts={no_prompt_jsonl}"], "data.train_prompts"),
+        ("dataset row with an unreadable image", [f"data.eval_prompts={bad_image_jsonl}"], "data.eval_prompts"),
+        ("metadata reward on a text file", ["rewards={tiny_world_meta: 1.0}"], "data.train_prompts"),
         ("missing deepspeed config", [f"deepspeed.config={tmp / 'nope.json'}"], "deepspeed.config"),
         ("garbled deepspeed config", [f"deepspeed.config={ds_garbled}"], "deepspeed.config"),
         ("ZeRO stage 2", [f"deepspeed.config={ds_stage2}"], "deepspeed.config"),
@@ -235,3 +243,6 @@ def test_messages_say_how_to_fix_it(results):
     assert "pid 1 " in by_name["output_dir in use by a live job"]
     assert "checkpoint.resume=null and choose a new output_dir" in by_name["resume=auto with every checkpoint damaged"]
     assert "is a file" in by_name["output_dir inside a file"]
+    assert "no_prompt.jsonl line 2 has no \"prompt\"" in by_name["dataset row without a prompt"]
+    assert "bad_image.jsonl line 1: image broken.png cannot be read" in by_name["dataset row with an unreadable image"]
+    assert "tiny_train.txt line 1 has no 'color'" in by_name["metadata reward on a text file"]
