@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch.distributed as dist
 
 from grpo.errors import ConfigError
@@ -37,23 +38,32 @@ def is_startup_entry(name: str) -> bool:
 
 
 def _process_start(pid: int) -> str | None:
-    """The kernel's start time of `pid` (clock ticks since boot; tells a reused pid apart), None if it is gone (a
-    zombie counts as gone: a container's PID 1 may never reap it). "" where /proc cannot tell."""
+    """When `pid` started (psutil's create time, seconds since the epoch, as "%.2f": tells a reused pid apart), None
+    if it is gone (a zombie counts as gone: a container's PID 1 may never reap it). "" where psutil cannot tell."""
     try:
-        fields = Path("/proc", str(pid), "stat").read_text().rsplit(")", 1)[1].split()  # after "(comm)": field 3 on
-    except OSError:
-        return None if not _alive(pid) else ""
-    return None if fields[0] in ("Z", "X") else fields[19]  # state (field 3), starttime (field 22)
+        proc = psutil.Process(pid)
+        if proc.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return None
+        return f"{proc.create_time():.2f}"
+    except (psutil.NoSuchProcess, ValueError):  # ZombieProcess is a NoSuchProcess; ValueError: a negative pid
+        return None
+    except (psutil.AccessDenied, OSError):  # another user's process on a hardened host: alive, start unknown
+        return "" if psutil.pid_exists(pid) else None
 
 
-def _alive(pid: int) -> bool:
+def _same_start(recorded: str, start: str) -> bool:
+    """Whether a lock's recorded start time is `start`'s process. Earlier versions recorded /proc's clock ticks since
+    boot (digits, no point): those are converted, so a lock of a job started before an upgrade is still honoured."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        then = float(recorded)
+    except (TypeError, ValueError):
         return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+    if "." not in str(recorded):  # /proc/PID/stat's starttime in clock ticks (grpo/lock.py before psutil)
+        try:
+            then = psutil.boot_time() + then / os.sysconf("SC_CLK_TCK")
+        except (AttributeError, ValueError, OSError):
+            return False
+    return abs(then - float(start)) < 1.0  # one process's create time is fixed; the boot time may move by a second
 
 
 def _holder(path: Path) -> dict | None:
@@ -76,7 +86,7 @@ def _live(info: dict) -> bool:
     if info.get("host") != socket.gethostname() or not isinstance(info.get("pid"), int):
         return True
     start = _process_start(info["pid"])
-    return start is not None and (not info.get("pid_start") or not start or start == info["pid_start"])
+    return start is not None and (not info.get("pid_start") or not start or _same_start(info["pid_start"], start))
 
 
 def _describe(info: dict) -> str:

@@ -38,7 +38,8 @@ def check_wandb(enabled: bool) -> None:
 
 class MetricsLogger:
     """Appends one JSON object per step to metrics.jsonl, mirrors scalars to TensorBoard (and wandb), and redraws
-    output_dir/reward_curve.png; no-op off rank 0.
+    output_dir/reward_curve.png at the eval and sample cadence and on close (not every step: a draw costs more than
+    a tiny step); no-op off rank 0.
 
     Args:
         output_dir: the run folder.
@@ -47,11 +48,18 @@ class MetricsLogger:
         resume_step: completed steps of the checkpoint the run resumes from (None: a fresh run).
         wandb: also log to Weights & Biases (project from WANDB_PROJECT, run name = output_dir's name).
         config: the resolved config, recorded by wandb.
+        curve_every: the curve is redrawn after every eval row, on close, and after training step s when
+            s % curve_every == 0; None = the config's logging.sample_every (the sample grids' cadence; 1 without a
+            config), 0 = at evals and on close only.
     """
 
     def __init__(self, output_dir: str | Path, enabled: bool, tensorboard: bool = True, resume_step: int | None = None,
-                 wandb: bool = False, config: dict | None = None):
+                 wandb: bool = False, config: dict | None = None, curve_every: int | None = None):
         self.enabled = enabled
+        if curve_every is None:
+            curve_every = int(((config or {}).get("logging") or {}).get("sample_every", 1) or 0)
+        self.curve_every = curve_every
+        self._curve_stale = False  # rows logged since the last draw
         self.out = Path(output_dir)
         self.path = self.out / "metrics.jsonl"
         self.writer = None
@@ -89,7 +97,15 @@ class MetricsLogger:
         self._tensorboard(row)
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step)
-        plot_reward_curve(self.rows, self.out / CURVE)
+        self._curve_stale = True
+        if _is_eval_row(row) or (self.curve_every and step % self.curve_every == 0):
+            self.draw_curve()
+
+    def draw_curve(self) -> None:
+        """Redraw output_dir/reward_curve.png from every row so far (rank 0)."""
+        if self.enabled:
+            plot_reward_curve(self.rows, self.out / CURVE)
+            self._curve_stale = False
 
     def _tensorboard(self, row: dict) -> None:
         if self.writer is not None:
@@ -99,6 +115,9 @@ class MetricsLogger:
             self.writer.flush()
 
     def close(self) -> None:
+        """The last draw of the curve (when rows came since the one before), then closes TensorBoard and wandb."""
+        if self._curve_stale:
+            self.draw_curve()
         if self.writer is not None:
             self.writer.close()
         if self.wandb is not None:

@@ -1,4 +1,5 @@
-"""Loading and driving the recipe script from the tools (recipes/ is not a package, so it is loaded by path).
+"""Loading and driving the recipe script from the tools, by path (recipes/ is a package only so that an install
+carries the script; a copied and edited recipe loads the same way, and `flux-grpo train` runs it through here).
 
 :func:`load_recipe` is the one loader: the tools, the benchmarks (``load_recipe().build_policy(...)``) and the tests
 reach the recipe's code through it, once per process and path. tools.npu_audit and tools.align both build the recipe of a preset exactly as a training run does

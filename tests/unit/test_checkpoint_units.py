@@ -128,6 +128,27 @@ def test_metrics_on_resume_drop_the_lost_part_of_the_run(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == "" and fresh.rows == []
 
 
+def test_the_reward_curve_is_drawn_at_the_eval_and_sample_cadence_and_on_close(tmp_path, monkeypatch):
+    """Not every step (a draw costs more than a tiny step): after eval rows, every logging.sample_every steps, and
+    once more on close when rows came since the last draw."""
+    from grpo import metrics
+
+    drawn = []
+    monkeypatch.setattr(metrics, "plot_reward_curve", lambda rows, path: drawn.append(rows[-1]["step"]))
+    logger = MetricsLogger(tmp_path, True, tensorboard=False, config={"logging": {"sample_every": 3}})
+    logger.log(0, {"eval/reward_mean": 0.1})
+    for step in range(5):
+        logger.log(step, {"reward_mean": 0.2})
+    logger.log(5, {"eval/reward_mean": 0.3})
+    logger.log(5, {"reward_mean": 0.4})
+    assert drawn == [0, 0, 3, 5]  # the eval before step 0, steps 0 and 3, the eval after 5 steps
+    logger.close()
+    logger.close()  # nothing new since: no second draw
+    assert drawn == [0, 0, 3, 5, 5]
+    assert MetricsLogger(tmp_path / "b", True, tensorboard=False, config={"logging": {"sample_every": 0}}).curve_every == 0
+    assert MetricsLogger(tmp_path / "c", True, tensorboard=False).curve_every == 1  # no config: every step, as before
+
+
 def test_skip_counter_and_fault_injection(monkeypatch):
     c = health.SkipCounter(limit=2)
     assert [c.record(s) for s in (True, False, True, True)] == [False, False, False, True]

@@ -57,3 +57,24 @@ def test_what_a_starting_rank_writes_does_not_make_output_dir_non_empty(tmp_path
     (out / "metrics.jsonl").write_text("")
     with pytest.raises(ConfigError, match="is not empty"):
         resume_point(cfg, 1)
+
+
+def test_the_start_time_tells_a_reused_pid_apart_in_both_formats(tmp_path):
+    """psutil's create time ("%.2f" seconds) since the move from /proc; a lock an earlier version wrote holds /proc's
+    clock ticks since boot, and its live holder is still refused (converted), while another start time is not it."""
+    import os
+
+    held = lock.acquire(tmp_path / "run")
+    recorded = json.loads((tmp_path / "run" / lock.LOCK).read_text())["pid_start"]
+    assert recorded == lock._process_start(os.getpid()) and "." in recorded
+    held.release()
+    now = lock._process_start(1)
+    assert lock._same_start(now, now) and not lock._same_start(f"{float(now) - 5:.2f}", now)
+    assert not lock._same_start("12345678", now) and not lock._same_start("garbage", now)
+    stat = Path("/proc/1/stat")
+    if stat.exists():  # Linux: the format of earlier locks
+        ticks = stat.read_text().rsplit(")", 1)[1].split()[19]
+        assert lock._same_start(ticks, now)
+        _write_lock(tmp_path / "old", 1, ticks)
+        with pytest.raises(ConfigError, match="pid 1 "):
+            lock.check_free(tmp_path / "old")

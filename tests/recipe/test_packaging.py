@@ -1,0 +1,69 @@
+"""The package for real: a fresh virtual environment (with the system's site packages, so torch & co. come from this
+machine), `pip install --no-deps --no-build-isolation -e .`, then the `flux-grpo` command from another folder, with
+no PYTHONPATH. The dispatcher itself, in-process: tests/unit/test_cli.py.
+
+The venv is made --without-pip and installed into by this interpreter's pip (`pip --python`): the pip a venv brings
+carries its own old setuptools (65 on Python 3.11), which shadows the system's and, without the `wheel` package, has
+no bdist_wheel, so an editable build without isolation fails there.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import ROOT
+from tools.launch import launch_env
+
+PRESET = ROOT / "recipes" / "configs" / "tiny" / "nft_lora.yaml"
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory) -> Path:
+    where = tmp_path_factory.mktemp("venv") / "venv"
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(where)], check=True,
+                   timeout=120)
+    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(where / "bin" / "python"), "install", "-q",
+                           "--no-deps", "--no-build-isolation", "--no-index", "-e", str(ROOT)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    print(f"venv + editable install: {time.monotonic() - t0:.1f} s")
+    return where
+
+
+def _run(venv: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env = launch_env({"PYTHONPATH": None}, job=False)  # what the install provides, not the checkout on the path
+    return subprocess.run([str(venv / "bin" / args[0]), *args[1:]], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_the_installed_command_from_another_folder(venv, tmp_path):
+    listed = _run(venv, tmp_path, "flux-grpo")
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.startswith("usage: flux-grpo COMMAND") and "\n  train " in listed.stdout
+    where = _run(venv, tmp_path, "python", "-c", "import grpo, recipes, tools.cli; print(grpo.__file__, recipes.__file__)")
+    assert where.returncode == 0, where.stderr
+    assert where.stdout.split() == [str(ROOT / "grpo" / "__init__.py"), str(ROOT / "recipes" / "__init__.py")]
+    bad = _run(venv, tmp_path, "flux-grpo", "check", "--world-size", "1", str(PRESET), "no_such_key=1")
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("error: no_such_key: unknown setting") and bad.stderr.count("\n") == 1
+    unknown = _run(venv, tmp_path, "flux-grpo", "chek")
+    assert unknown.returncode == 2 and unknown.stderr.startswith("error: flux-grpo: unknown command 'chek'")
+
+
+@pytest.mark.slow
+def test_a_check_passes_from_another_folder_with_absolute_paths(venv, tmp_path):
+    """The presets' paths are relative to the working directory (run from the checkout): elsewhere the check names the
+    missing model folder (exit 2), and passes once the paths are absolute."""
+    relative = _run(venv, tmp_path, "flux-grpo", "check", "--world-size", "1", str(PRESET))
+    assert relative.returncode == 2 and relative.stderr.startswith("error: model.path: assets/tiny-flux")
+    absolute = [f"model.path={ROOT / 'assets' / 'tiny-flux'}", f"deepspeed.config={ROOT / 'ds_configs' / 'zero3.json'}",
+                f"data.train_prompts={ROOT / 'assets' / 'prompts' / 'tiny_train.txt'}",
+                f"data.eval_prompts={ROOT / 'assets' / 'prompts' / 'tiny_heldout.txt'}", f"output_dir={tmp_path / 'run'}"]
+    ok = _run(venv, tmp_path, "flux-grpo", "check", "--world-size", "1", str(PRESET), *absolute)
+    assert ok.returncode == 0, ok.stderr
