@@ -208,6 +208,17 @@ def assert_two_steps_agree(one: dict, two: dict) -> None:
     assert all((w2[k] - w1[k]).norm() <= 1e-3 * w1[k].norm() for k in w1)
 
 
+def assert_resumed_step_exact(two: dict, resumed: dict) -> None:
+    """A run resumed from `two`'s step-1 checkpoint logs `two`'s step 1 (every key but the timings) and ends with its
+    step-2 weights exactly."""
+    timed = ("step_time_s", "samples_per_s")
+    untimed = lambda r: {k: v for k, v in r.items() if not k.startswith("time/") and k not in timed}  # noqa: E731
+    assert [r["step"] for r in resumed["rows"]] == [1]
+    assert [untimed(r) for r in resumed["rows"]] == [untimed(r) for r in two["rows"][1:]]
+    last = "checkpoints/step_00000002"
+    assert max_abs_diff(*(trained_weights(run["dir"] / last, "model") for run in (resumed, two))) == 0
+
+
 def max_abs_diff(a: dict, b: dict) -> float:
     assert set(a) == set(b), set(a) ^ set(b)
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
