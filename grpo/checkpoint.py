@@ -33,6 +33,8 @@ checkpoints you wrote.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -51,7 +53,8 @@ from safetensors.torch import load_file, save_file
 from grpo import rng
 from grpo.compat import check_compatible
 from grpo.config import RecipeConfig, to_dict
-from grpo.errors import ConfigError
+from grpo.distributed import agreed_outside_failure
+from grpo.errors import ConfigError, OutsideFailure
 from grpo.lock import is_startup_entry
 
 log = logging.getLogger(__name__)
@@ -246,12 +249,14 @@ def _non_empty(out: Path) -> bool:
     return out.exists() and (not out.is_dir() or any(not is_startup_entry(p.name) for p in out.iterdir()))
 
 
-def resume_point(cfg: RecipeConfig, world_size: int, check: Callable[[Path], str | None] = verify) -> Path | None:
+def resume_point(cfg: RecipeConfig, world_size: int, check: Callable[[Path], str | None] = verify,
+                 move_aside: bool | None = None) -> Path | None:
     """Where this run starts: None for a fresh start, else a verified, compatible checkpoint folder.
 
     Runs before any model is loaded and never writes, except moving an invalid checkpoint aside under
     `checkpoint.resume: auto`. Collective under torch.distributed. check=:func:`structure`: the start-up checks'
-    version (grpo/inputs.py), which neither hashes nor moves anything.
+    version (grpo/inputs.py), which neither hashes nor moves anything. move_aside=False: verify but move nothing (the
+    recipe, which refuses before it writes anything and calls :func:`set_aside_newer` once it holds the lock).
 
     `auto` starts from step 0 only when output_dir has never held a checkpoint: when every one is damaged, the run
     stops instead of silently dropping its progress (to start over: checkpoint.resume=null and a new output_dir).
@@ -269,7 +274,7 @@ def resume_point(cfg: RecipeConfig, world_size: int, check: Callable[[Path], str
                 "output_dir"
             )
         return None
-    moving = check is verify
+    moving = check is verify if move_aside is None else move_aside
     if resume == "auto":
         root = out / "checkpoints"
         path = newest_valid(root, move_aside=moving, check=check)
@@ -290,6 +295,19 @@ def resume_point(cfg: RecipeConfig, world_size: int, check: Callable[[Path], str
                                move_aside=moving and Path(resume).resolve() == out.resolve())
     check_compatible(path, read_meta(path), cfg, world_size)
     return path
+
+
+def set_aside_newer(cfg: RecipeConfig, resume_from: Path | None) -> None:
+    """Collective: after ``resume_point(..., move_aside=False)``, move aside the checkpoints of output_dir newer than
+    `resume_from`, which it found invalid (see :func:`newest_valid`), when it resumes output_dir's own newest one."""
+    out, resume = Path(cfg.output_dir), cfg.checkpoint.resume
+    if resume_from is None or (resume != "auto" and Path(resume).resolve() != out.resolve()):
+        return
+    newer = [p for p in list_checkpoints(out / "checkpoints") if checkpoint_step(p) > checkpoint_step(resume_from)]
+    if _collective():
+        dist.barrier()  # every rank has listed them before rank 0 renames the first
+    for path in newer:
+        _quarantine(path)
 
 
 # ---------------------------------------------------------------------------------------------- save / load
@@ -330,6 +348,52 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+_FULL_TEXT = ("No space left", "Disk quota exceeded")
+
+
+def _is_disk_full(err: BaseException, root: Path) -> bool:
+    """ENOSPC or EDQUOT, however the writer reports it: an OSError from safetensors and our own files; torch.save's
+    C++ zip writer says only "file write failed" (a RuntimeError), so then the disk itself is asked."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(err)
+    if any(t in text for t in _FULL_TEXT):
+        return True
+    if "write failed" not in text:
+        return False
+    try:
+        return shutil.disk_usage(root).free < 16 << 20  # what a failed write leaves: (almost) nothing
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _disk_full(root: Path, name: str):
+    """A full disk while a checkpoint is written becomes one OutsideFailure line (exit 1: space does not come back by
+    itself, so not "retry later"). Nothing else needs undoing: the checkpoint was going into .tmp-<name>, which is
+    never resumed and is removed by the next save of that step, and pruning runs only after a complete save."""
+    try:
+        yield
+    except Exception as err:
+        if not _is_disk_full(err, root):
+            raise
+        raise OutsideFailure(_no_space(root, name, f"while writing it ({type(err).__name__})")) from err
+
+
+def _no_space(root: Path, name: str, how: str) -> str:
+    previous = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+    kept = f"the previous checkpoint {root / previous} is intact" if previous else "no checkpoint was written yet"
+    return (f"checkpoint: no space left on the device of {root} for {name} ({how}); {kept}. Free space there (or "
+            "lower checkpoint.keep, or move output_dir to a larger disk), then rerun with checkpoint.resume=auto")
+
+
+@contextlib.contextmanager
+def _save_phase(device, root: Path, name: str):
+    """One phase of a save that runs no collective inside: a full disk on any rank is raised on every rank."""
+    with agreed_outside_failure(device), _disk_full(root, name):
+        yield
+
+
 class Checkpointer:
     """Saves, prunes and loads the checkpoints of one run (collective methods: call on every rank)."""
 
@@ -343,48 +407,76 @@ class Checkpointer:
         return every > 0 and (steps_done % every == 0 or steps_done == self.cfg.max_steps)
 
     def save(self, engine, state: RunState, ema=None, lagging=None) -> Path:
-        """Write the checkpoint of `state.step` completed steps atomically; returns its folder."""
+        """Write the checkpoint of `state.step` completed steps atomically; returns its folder.
+
+        A full disk raises an OutsideFailure on every rank (one line, exit 1; see :func:`_disk_full`), the previous
+        checkpoints untouched. It is caught before anything is written when the last checkpoint's size is not free
+        any more; while DeepSpeed writes its files, only the rank that met it knows (its peers then fail in
+        DeepSpeed's collectives); in our own phases the ranks agree (grpo.distributed.agreed_outside_failure, which
+        also stands for the barriers between them)."""
         name = checkpoint_name(state.step)
         tmp, final = self.root / f".tmp-{name}", self.root / name
-        if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():  # left by a run killed while saving
-                shutil.rmtree(tmp)
-        dist.barrier()
-        engine.save_checkpoint(str(self.root), tag=tmp.name, save_latest=False,
-                               exclude_frozen_parameters=self.cfg.lora is not None)
-        get_rng, _ = rng.device_rng()
-        tensors, meta = rng.rng_state(get_rng)
-        for average in (ema, lagging):
-            if average is not None:
-                avg_tensors, avg_meta = average.state()
-                tensors.update(avg_tensors)
-                meta.update(avg_meta)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / rank_file(self.rank)), metadata=meta)
-        dist.barrier()
+
+        def phase():
+            return _save_phase(engine.device, self.root, name)
+
+        with phase():
+            if self.rank == 0:
+                self.root.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():  # left by a run killed (or stopped by a full disk) while saving
+                    shutil.rmtree(tmp)
+            self._check_space(name)
+        with _disk_full(self.root, name):
+            engine.save_checkpoint(str(self.root), tag=tmp.name, save_latest=False,
+                                   exclude_frozen_parameters=self.cfg.lora is not None)
+        with phase():
+            get_rng, _ = rng.device_rng()
+            tensors, meta = rng.rng_state(get_rng)
+            for average in (ema, lagging):
+                if average is not None:
+                    avg_tensors, avg_meta = average.state()
+                    tensors.update(avg_tensors)
+                    meta.update(avg_meta)
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / rank_file(self.rank)),
+                      metadata=meta)
         names = sorted(p.name for p in tmp.iterdir() if p.is_file())
         mine = {n: [(tmp / n).stat().st_size, _sha256(tmp / n, fsync=True)] for n in _share(names, self.rank,
                                                                                               self.world)}
         shares: list[dict] = [{}] * self.world
         dist.all_gather_object(shares, mine)
-        if self.rank == 0:
-            files = {k: v for share in shares for k, v in share.items()}
-            _write_json_atomic(tmp / META, {
-                "format": FORMAT, "step": state.step, "world_size": self.world,
-                "consecutive_skips": state.consecutive_skips, "total_skips": state.total_skips,
-                "lora": self.cfg.lora is not None, "ema": ema is not None, "lagging": lagging is not None,
-                "transformer_config": {k: v for k, v in dict(engine.module.config).items() if not k.startswith("_")},
-                "config": to_dict(self.cfg), "files": files, "time": time.time(),
-            })
-            _fsync_dir(tmp)
-            if final.exists():  # e.g. a corrupted checkpoint of the same step left behind
-                shutil.rmtree(final)
-            tmp.rename(final)
-            _write_text_atomic(self.root / LATEST, name)
-            _fsync_dir(self.root)
-            self._prune()
-        dist.barrier()
+        with phase():
+            if self.rank == 0:
+                files = {k: v for share in shares for k, v in share.items()}
+                _write_json_atomic(tmp / META, {
+                    "format": FORMAT, "step": state.step, "world_size": self.world,
+                    "consecutive_skips": state.consecutive_skips, "total_skips": state.total_skips,
+                    "lora": self.cfg.lora is not None, "ema": ema is not None, "lagging": lagging is not None,
+                    "transformer_config": {k: v for k, v in dict(engine.module.config).items()
+                                           if not k.startswith("_")},
+                    "config": to_dict(self.cfg), "files": files, "time": time.time(),
+                })
+                _fsync_dir(tmp)
+                if final.exists():  # e.g. a corrupted checkpoint of the same step left behind
+                    shutil.rmtree(final)
+                tmp.rename(final)
+                _write_text_atomic(self.root / LATEST, name)
+                _fsync_dir(self.root)
+                self._prune()  # only now: the new checkpoint is complete and `latest` names it
         return final
+
+    def _check_space(self, name: str) -> None:
+        """Refuse to start a checkpoint that cannot fit: the newest complete one's size must be free (every one of a
+        run has the same files and sizes). Nothing to compare with before the first one."""
+        for previous in list_checkpoints(self.root):
+            try:
+                need = sum(size for size, _ in read_meta(previous)["files"].values())
+            except ValueError:
+                continue
+            free = shutil.disk_usage(self.root).free
+            if free < need:
+                raise OutsideFailure(_no_space(self.root, name, f"needs about {need / 2**20:.1f} MiB, the size of "
+                                                                f"{previous.name}; {free / 2**20:.1f} MiB free"))
+            return
 
     def _prune(self) -> None:
         """Delete checkpoints beyond the newest `keep`, and folders of saves that a kill interrupted."""

@@ -1,12 +1,44 @@
-"""Gather per-sample values (rewards, group ids) from all ranks into one table in global sample order."""
+"""Gather per-sample values (rewards, group ids) from all ranks into one table in global sample order; agree on an
+outside failure that only some ranks met."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["gather_by_index"]
+from grpo.errors import OutsideFailure
+
+__all__ = ["gather_by_index", "agreed_outside_failure"]
+
+
+@contextlib.contextmanager
+def agreed_outside_failure(device: torch.device) -> Iterator[None]:
+    """Collective: the block's OutsideFailure on any rank is raised on every rank, with the same message and code.
+
+    A server may fail one rank's request and answer the other's: the rank that failed alone would leave its peers
+    waiting in the next collective and exit with a line only rank 0 prints (errors.rank_exit), so nobody would say
+    why. One small all-reduce per block, and only around blocks without collectives inside (ranks would otherwise
+    meet in different collectives)."""
+    failure: OutsideFailure | None = None
+    try:
+        yield
+    except OutsideFailure as e:
+        failure = e
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([0.0 if failure is None else 1.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            seen: list = [None] * dist.get_world_size()
+            dist.all_gather_object(seen, None if failure is None else (str(failure), failure.code))
+            message, code = next(s for s in seen if s is not None)  # the lowest rank's: the same line everywhere
+            if failure is None or str(failure) != message:
+                raise OutsideFailure(message, code) from failure
+    if failure is not None:
+        raise failure
 
 
 def gather_by_index(values: Tensor, index: Tensor, total: int) -> Tensor:

@@ -149,9 +149,12 @@ def check_output_dir(path: str) -> None:
         parent = parent.parent
     if not parent.is_dir():
         raise ConfigError(f"output_dir: {out} cannot be created: {parent} is a file; choose another output_dir")
+    # A refused start must leave output_dir as it was, to its mtime, which the probe's entry changes: put it back.
+    before = parent.stat()
     try:
         probe = tempfile.mkdtemp(prefix=lock.WRITE_PROBE, dir=parent)
         os.rmdir(probe)
+        os.utime(parent, ns=(before.st_atime_ns, before.st_mtime_ns))
     except OSError as e:
         raise ConfigError(f"output_dir: {out} cannot be {'written' if parent == out else 'created'}: {parent} is "
                           f"not writable ({e.strerror}); choose a writable output_dir") from None

@@ -129,6 +129,7 @@ def acquire(out: str | Path) -> Lock:
     """Take output_dir's lock for this process (released at exit); raise a one-line ConfigError when a live job
     holds it. A stale lock is reported and taken over."""
     out = Path(out)
+    check_free(out)  # before the link file below: a refused start leaves output_dir as it was, to its mtime
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     path = out / LOCK

@@ -9,7 +9,8 @@
 # into a per-job file (see DS_ENV_FILE below). MASTER_ADDR defaults to the first host of the file.
 # Without ssh (e.g. under a scheduler) run torchrun on each node instead:
 #   NNODES=4 NODE_RANK=$i MASTER_ADDR=head bash launch/multinode.sh --torchrun CONFIG [key=value ...]
-# Exit code: the workers' (0 done or stopped cleanly, 2 bad input, 3 too many skipped updates, 1 anything else).
+# Exit code: the workers' (0 done or stopped cleanly, 2 bad input, 3 too many skipped updates, 75 a dependency is down:
+# retry later, 1 anything else).
 # Preemption: SIGTERM/SIGINT to this script go to the workers on this machine, which finish the step, agree with the
 # other ranks to stop, save and exit 0 (GRACE_S seconds at most, default 600): in the --torchrun form every node's
 # script must get the signal (tools/torchrun.py); in the hostfile form the launching node's workers stop the whole job

@@ -47,8 +47,10 @@ Launch:
     bash launch/multinode.sh HOSTFILE CONFIG [key=value ...]
     ... checkpoint.resume=auto                     # after a preemption or crash: continue from the last checkpoint
 Exit codes: 0 done (or stopped by SIGTERM/SIGINT after saving), 2 bad input (one line on stderr, nothing written),
-3 too many skipped updates in a row (a checkpoint was saved), 1 anything else (e.g. a dead rank). A plain torchrun
-reports 2 and 3 as 1 (rank 0's line is its report's root cause); launch/*.sh and python -m tools.torchrun keep them.
+3 too many skipped updates in a row (a checkpoint was saved), 75 a dependency is down, retry later (e.g. the reward
+server stopped answering: one line; resume with checkpoint.resume=auto once it is back), 1 anything else (e.g. a dead
+rank, a full disk: one line). A plain torchrun reports 2, 3 and 75 as 1 (rank 0's line is its report's root cause);
+launch/*.sh and python -m tools.torchrun keep them.
 Copy and edit: cp recipes/flux_grpo.py my_recipe.py, then `bash launch/run.sh CONFIG` with RECIPE=my_recipe.py.
 """
 
@@ -73,9 +75,9 @@ from grpo import export, health
 from grpo import lock as out_lock
 from grpo.config import RecipeConfig, dump_config, load_config, to_dict
 from grpo.data import micro_batches, prompts_for_step, step_noise_generator
-from grpo.distributed import gather_by_index
+from grpo.distributed import agreed_outside_failure, gather_by_index
 from grpo.ema import ShardedEMA
-from grpo.errors import ConfigError, rank_exit
+from grpo.errors import ConfigError, OutsideFailure, outside_exit, rank_exit
 from grpo.models.blocks import compile_blocks, compile_seconds, enable_checkpointing
 from grpo.inputs import check_inputs
 from grpo.loading import transformer_loader
@@ -130,9 +132,12 @@ class FluxGRPORecipe:
         self.dtype = eng.precision(self.ds_config)
         dev.check_dtype_supported(self.dtype, "deepspeed.config precision")
         self.out = Path(cfg.output_dir)
+        # None: fresh start (output_dir must be empty). Every refusal comes before the lock: a refused start leaves
+        # output_dir as it was, to its mtime; invalid newer checkpoints are moved aside only once the lock is held.
+        self.resume_from = ckpt.resume_point(cfg, self.world, move_aside=False)
         # one job per output_dir: rank 0 holds output_dir/.lock until it exits, taken before anything is written
         self.lock = out_lock.take(self.out, self.rank)
-        self.resume_from = ckpt.resume_point(cfg, self.world)  # None: fresh start (output_dir must be empty)
+        ckpt.set_aside_newer(cfg, self.resume_from)
         self.show_progress = self.rank == 0 and cfg.logging.progress
         # what is trained and its cost (grpo/rollout_plan.py), and the objective (grpo/objectives/)
         self.plan = RolloutPlan.of(cfg)
@@ -334,7 +339,7 @@ class FluxGRPORecipe:
     def score(self, chunks: list[Chunk], step: int) -> tuple[torch.Tensor, dict]:
         """Score own images, gather the per-reward scores with their global index, mix them. Returns [N] rewards."""
         local, ids = [], []
-        with self.rewards.on_device():
+        with agreed_outside_failure(self.device), self.rewards.on_device():  # e.g. a reward server that went away
             for c in chunks:
                 prompts = [self.train_prompts.prompts[i] for i in c.prompt_idx]
                 metadata = [self.train_prompts.metadata[i] for i in c.prompt_idx]  # its dataset row, like the prompt
@@ -420,7 +425,8 @@ class FluxGRPORecipe:
         micro = self.layout.rollout_micro_batch_size
         with self._trained_weights(), eng.inference_module(self.engine, self.cfg.deepspeed.gather_for_rollout) as m:
             x0 = evals.sample_heldout(m, self.sampler, self.eval_prompts, ids, micro)
-        images, local = evals.score_heldout(self.sampler, self.rewards, self.eval_prompts, ids, x0, micro)
+        with agreed_outside_failure(self.device):
+            images, local = evals.score_heldout(self.sampler, self.rewards, self.eval_prompts, ids, x0, micro)
         if self.rank == 0 and ids:  # this rank's share: prompts 0, world, 2*world, ...
             save_grid(images, self.out / "samples" / f"eval_step_{step:05d}.png", min(len(ids), 8))
         components = gather_by_index(local, torch.tensor(ids, device=self.device, dtype=torch.long), n)
@@ -475,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         recipe.train()
     except health.TooManySkips as e:
         return rank_exit(f"error: {e}", health.EXIT_TOO_MANY_SKIPS)
+    except OutsideFailure as e:  # a server, the disk: one line, its code, the traceback in output_dir/logs/
+        return outside_exit(e, recipe.out, recipe.rank)
     except RuntimeError as e:  # a dead or hung rank surfaces here after faults.comm_timeout_s
         hint = health.comm_failure(e, recipe.cfg.faults.comm_timeout_s)
         if hint:

@@ -6,7 +6,8 @@ launch/run.sh and launch/multinode.sh (--torchrun) exec it in place of ``python 
 tools.launch.torchrun_cmd (tests, tools, benchmarks) starts it; it runs torchrun in this process with two changes:
 
 - Exit code: torchrun turns a failed worker into exit 1 and a ChildFailedError traceback. Here the job exits with the
-  first failed worker's code when it is 2 (bad input) or 3 (too many skipped updates), whose one ``error:`` line the
+  first failed worker's code when it is 2 (bad input), 3 (too many skipped updates) or 75 (a dependency is down,
+  retry later), whose one ``error:`` line the
   recipe printed on rank 0, and otherwise with 1 after one ``[launch]`` line naming the rank and its code. 0 when
   every worker exits 0.
 - Preemption: torchrun answers SIGTERM/SIGINT by terminating its workers within 30 s, too short for a FLUX.1-dev step
@@ -26,8 +27,8 @@ import threading
 from pathlib import Path
 
 GRACE_ENV, GRACE_DEFAULT_S = "GRACE_S", 600.0
-# The exit codes the recipe gives meaning to (recipes/flux_grpo.py); every other failure becomes 1.
-PASSED_ON = (2, 3)
+# The exit codes the recipe gives meaning to (recipes/flux_grpo.py, grpo/errors.py); every other failure becomes 1.
+PASSED_ON = (2, 3, 75)
 
 
 def children(pid: int | None = None) -> list[int]:
@@ -123,14 +124,26 @@ def start_forwarding(cls: type[Forwarder] = Forwarder) -> Forwarder | None:
     return forward
 
 
+def _recipe_line(failure) -> str | None:
+    """The `error:` line grpo.errors.rank_exit left in a worker's error file (torchelastic's format), else None."""
+    message = getattr(failure, "message", None)
+    text = message.get("message") if isinstance(message, dict) else message
+    return text if isinstance(text, str) and text.startswith("error: ") else None
+
+
 def exit_code(failures: dict) -> tuple[int, str | None]:
     """The job's exit code from torchrun's failures {rank: ProcessFailure}, and a line to print (None: the recipe
-    printed its own). A worker's 2 or 3 wins over the others' failures, which follow from it (a rank that left
+    printed its own). A worker's 2, 3 or 75 wins over the others' failures, which follow from it (a rank that left
     breaks its peers' collectives, then torchrun stops them)."""
     ranked = sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
     for rank, failure in ranked:
         if failure.exitcode in PASSED_ON:
             return failure.exitcode, None
+    # An outside failure that some rank met alone (grpo.errors.outside_exit): rank 0 printed its line if it met it
+    # too; else the line of the first rank that did, instead of a [launch] line about a code 1.
+    said = [(rank, line) for rank, line in ((r, _recipe_line(f)) for r, f in ranked) if line]
+    if said:
+        return 1, None if any(rank == 0 for rank, _ in said) else said[0][1]
     rank, failure = next(((r, f) for r, f in ranked if f.exitcode > 0), ranked[0])
     how = (f"was killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
            else f"exited with code {failure.exitcode}")

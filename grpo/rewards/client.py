@@ -4,8 +4,10 @@ retries, start-up probes, one-line errors.
 A request is retried after a connection error, a timeout, HTTP 429 or 5xx (a server starting, overloaded or
 restarting), with pauses of backoff, 2 x backoff, 4 x backoff ... seconds; any other HTTP error is the caller's
 mistake and is not retried. When every attempt failed, scoring raises ServiceError: one line naming the reward, the
-URL, the attempts and the last error. The training step then fails like any other rank error (torchrun stops the
-job); checkpoints let it resume once the server is back.
+URL, the attempts and the last error. When the server stopped answering (no connection, no answer in time, 429,
+502-504) it is ServiceDown, a grpo.errors.DependencyDown: the run ends with that line, the fix, and exit 75 (retry
+later); its last checkpoint lets `checkpoint.resume=auto` continue once the server is back. Any other failure (a 4xx,
+a reward that fails on the server with 500) is a bug to fix, not to wait out, and fails like any other rank error.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ from typing import Any
 
 import requests
 
-from grpo.errors import ConfigError
+from grpo.errors import ConfigError, DependencyDown
 from grpo.rewards.options import CommonOptions
 from grpo.schema import setting
 
-__all__ = ["ServiceOptions", "ServiceError", "Service", "answer_error"]
+__all__ = ["ServiceOptions", "ServiceError", "ServiceDown", "Service", "answer_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,15 @@ class ServiceOptions(CommonOptions):
 
 class ServiceError(RuntimeError):
     """A served reward got no usable answer after every attempt (one line)."""
+
+
+class ServiceDown(ServiceError, DependencyDown):
+    """The server stopped answering: every attempt failed to connect, timed out or was told to come back later."""
+
+
+# Answers that mean "not now" rather than "not like this": an overloaded server, or a proxy before a server that is
+# down or restarting.
+_NOT_NOW = (429, 502, 503, 504)
 
 
 def answer_error(response: requests.Response) -> str:
@@ -106,7 +117,7 @@ class Service:
     def post(self, path: str, **kwargs: Any) -> requests.Response:
         """POST with retries; the successful response, or ServiceError after the last attempt."""
         url = self.url + path
-        last = ""
+        last, down = "", False
         for attempt in range(self.retries + 1):
             if attempt:
                 pause = self.backoff * 2 ** (attempt - 1)
@@ -116,15 +127,18 @@ class Service:
             try:
                 response = requests.post(url, headers=self.headers, timeout=self.timeout, **kwargs)
             except requests.Timeout:
-                last = f"no answer within timeout {self.timeout:g} s"
+                last, down = f"no answer within timeout {self.timeout:g} s", True
                 continue
             except requests.RequestException as err:
-                last = type(err).__name__
+                last, down = type(err).__name__, True
                 continue
             if response.status_code == 200:
                 return response
-            last = answer_error(response)
+            last, down = answer_error(response), response.status_code in _NOT_NOW
             if response.status_code != 429 and response.status_code < 500:
                 break  # the request itself is wrong: the same request would fail again
         attempts = f"{attempt + 1} attempt{'s' if attempt else ''}"
+        if down:
+            raise ServiceDown(f"{self.setting}: {url} failed after {attempts}: {last}; the server stopped answering: "
+                              "restart it (or wait for it), then rerun with checkpoint.resume=auto")
         raise ServiceError(f"{self.setting}: {url} failed after {attempts}: {last}")

@@ -202,3 +202,22 @@ def test_health_line_warns_when_the_ratio_drifts_from_one():
     assert line.startswith(quiet + " | ") and "\n" not in line
     assert "WARNING ratio_max_dev 2.00e-05 exceeds 10% of clip_range 1.00e-04" in line
     assert "WARNING" not in health.health_line(1, {**stats, "ratio_max_dev": None}, clip_range=1e-4)
+
+
+def test_the_recipe_refuses_before_moving_anything_and_sets_aside_after_the_lock(tmp_path):
+    """resume_point(move_aside=False), the recipe's (before output_dir/.lock): it verifies and refuses, but moves
+    nothing; set_aside_newer, after the lock, moves exactly the newer invalid ones aside."""
+    cfg = load_config(str(LORA), [f"output_dir={tmp_path}", "checkpoint.resume=auto"])
+    root = tmp_path / "checkpoints"
+    bad = _checkpoint(root, 2, {"zero_pp_rank_0_optim_states.pt": b"x" * 64})
+    (bad / "zero_pp_rank_0_optim_states.pt").write_bytes(b"y" * 64)
+    with pytest.raises(ckpt.ConfigError, match="only damaged ones \\(1\\); resuming"):
+        ckpt.resume_point(cfg, 2, move_aside=False)
+    assert [p.name for p in root.iterdir()] == [bad.name]
+    good = _checkpoint(root, 1, {"zero_pp_rank_0_optim_states.pt": b"x" * 64})
+    meta = json.loads((good / "meta.json").read_text())
+    (good / "meta.json").write_text(json.dumps({**meta, "config": to_dict(cfg)}))  # the same preset: compatible
+    assert ckpt.resume_point(cfg, 2, move_aside=False) == good
+    assert sorted(p.name for p in root.iterdir()) == [good.name, bad.name]
+    ckpt.set_aside_newer(cfg, good)
+    assert sorted(p.name[:22] for p in root.iterdir()) == [".invalid-step_00000002", good.name]

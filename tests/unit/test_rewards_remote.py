@@ -12,9 +12,9 @@ import pytest
 import requests
 import torch
 
-from grpo.errors import ConfigError
+from grpo.errors import EXIT_RETRY_LATER, ConfigError
 from grpo.rewards import build_rewards, check_rewards
-from grpo.rewards.client import ServiceError
+from grpo.rewards.client import ServiceDown, ServiceError
 from grpo.rewards.remote import encode_images
 from tools.launch import free_port
 
@@ -117,6 +117,7 @@ def test_server_errors_are_one_line(server) -> None:
                           "2 attempts: HTTP 500: tests.unit.test_rewards_remote:broken: RuntimeError: CUDA out of "
                           "memory."), msg
     assert "\n" not in msg
+    assert not isinstance(err.value, ServiceDown)  # a reward failing on the server is a bug, not an outage
 
 
 def test_start_up_checks_reach_the_server(server) -> None:
@@ -146,14 +147,17 @@ def test_a_server_that_is_down(tmp_path, capsys) -> None:
                           "reward server (python -m tools.rewards serve"), err
     with serving({"jpeg_compressibility": 1.0}) as (up, _):
         remote = build_rewards(_remote(up, "jpeg_compressibility"), "cpu")
-    with pytest.raises(ServiceError, match=rf"^rewards\.remote: {up}/score/jpeg_compressibility failed after 2 "
-                                           r"attempts: ConnectionError$"):
+    # ServiceDown: a grpo.errors.DependencyDown, which ends the run with exit 75 (retry later)
+    with pytest.raises(ServiceDown, match=rf"^rewards\.remote: {up}/score/jpeg_compressibility failed after 2 "
+                                          r"attempts: ConnectionError; the server stopped answering: restart it .*"
+                                          r"checkpoint\.resume=auto$") as down:
         remote(images(2, 8, 8), ["a", "b"])
+    assert down.value.code == EXIT_RETRY_LATER
     slow = "tests.unit.test_rewards_remote:sleepy"
     with serving({slow: {"seconds": 0.3}}) as (up, _):
         remote = build_rewards(_remote(up, slow, timeout=0.05), "cpu")
-        with pytest.raises(ServiceError, match=r"^rewards\.remote: .* failed after 2 attempts: no answer within "
-                                               r"timeout 0\.05 s$"):
+        with pytest.raises(ServiceDown, match=r"^rewards\.remote: .* failed after 2 attempts: no answer within "
+                                              r"timeout 0\.05 s; the server stopped answering"):
             remote(images(2, 8, 8), ["a", "b"])
 
 

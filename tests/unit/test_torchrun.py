@@ -17,6 +17,16 @@ def test_exit_code_of_the_first_worker_with_a_meaning():
     code, line = tr.exit_code({0: f(-15, 5), 1: f(7, 6)})
     assert code == 1 and line.startswith("[launch] rank 1 exited with code 7")
     assert tr.exit_code({1: f(-9, 5)})[1].startswith("[launch] rank 1 was killed by SIGKILL")
+    assert tr.exit_code({0: f(-15, 5), 1: f(75, 6)}) == (75, None)  # a dependency is down: retry later
+
+
+def test_an_outside_failure_one_rank_met_alone_is_its_line():
+    """grpo.errors.outside_exit leaves the line in every failing rank's error file (torchelastic's format): printed by
+    the launcher when rank 0 did not print it (stopped by torchrun while waiting for its peer), else not again."""
+    line = "error: checkpoint: no space left"
+    said = lambda code, t, m: SimpleNamespace(exitcode=code, timestamp=t, message=m)  # noqa: E731
+    assert tr.exit_code({0: said(-15, 6, "Signal 15"), 1: said(1, 5, {"message": line})}) == (1, line)
+    assert tr.exit_code({0: said(1, 6, {"message": line}), 1: said(1, 5, {"message": line})}) == (1, None)
 
 
 def test_bad_grace_period_exits_2(monkeypatch, capsys):

@@ -1,0 +1,175 @@
+"""Failures outside the run end it cleanly (issue 34): one `error:` line on rank 0 naming the thing and the fix, no
+traceback on stderr (it goes to output_dir/logs/error_rank0.txt), an exit code that says what to do, and the last
+complete checkpoint usable. A refused start leaves output_dir as it was, to its mtime.
+
+- A reward server (`python -m tools.rewards serve`, a real process) killed after step 0 of a 3-step run: exit 75
+  (retry later); a server started again and checkpoint.resume=auto continue to the uninterrupted run's rows and LoRA.
+- A full disk (a 3 MiB tmpfs, a checkpoint every step, keep 1): step 2's checkpoint does not fit; exit 1 with one
+  line naming the folder, step 1's checkpoint kept, verified, and the only one resume can pick.
+- A refused resume (every checkpoint of output_dir damaged, found only by the ranks' hashes) leaves output_dir
+  byte-identical, its own mtime included: the checks run before output_dir/.lock is taken.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file
+
+from grpo import checkpoint as ckpt
+from grpo.errors import EXIT_RETRY_LATER
+from tests import ROOT, snapshot
+from tests.recipe.launch import Run, run_script, script_env, tiny_run, train_rows, wait_for_step
+from tests.recipe.test_remote_reward import _wait_healthy
+from tools.launch import free_port, launch_env
+
+LORA = str(ROOT / "recipes" / "configs" / "tiny" / "grpo_lora.yaml")
+COMPARED = ("reward_mean", "reward_std", "loss", "grad_norm", "lr", "clip_frac")
+
+
+def _one_error_line(log: str) -> str:
+    lines = log.strip().splitlines()
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    return errors[0]
+
+
+class Server:
+    """`python -m tools.rewards serve` on a fixed localhost port: started, killed, started again."""
+
+    def __init__(self, tmp, port: int):
+        self.config, self.port, self.log = tmp / "served.yaml", port, tmp / "server.log"
+        self.config.write_text(json.dumps({"rewards": {"jpeg_compressibility": 1.0}}))
+        self.url, self.proc = f"http://127.0.0.1:{port}", None
+
+    def start(self) -> None:
+        with open(self.log, "a") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tools.rewards", "serve", str(self.config), "--port",
+                                          str(self.port), "--device", "cpu"], cwd=ROOT, env=launch_env(),
+                                         stdout=out, stderr=subprocess.STDOUT)
+        _wait_healthy(self.proc, self.url, self.log)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_a_reward_server_that_stops_answering_ends_with_75_and_resumes_exactly(tmp_path):
+    server = Server(tmp_path, free_port())
+    remote = {"remote": {"url": server.url, "reward": "jpeg_compressibility", "retries": 1, "backoff": 0.2,
+                         "timeout": 20}}
+    common = [*tiny_run(tmp_path), "max_steps=3", "checkpoint.every=1", "checkpoint.keep=3", "data.eval_prompts=null",
+              "logging.sample_every=0", "logging.tensorboard=false", f"data.cache_dir={tmp_path / 'cache'}",
+              "rewards=" + json.dumps(remote)]
+
+    def launch(out, log, *extra):
+        return Run.start(["bash", str(ROOT / "launch" / "run.sh"), LORA, *common, f"output_dir={out}", *extra],
+                         tmp_path / log, script_env({"NPROC": "2", "MASTER_PORT": str(free_port())}))
+
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    try:
+        server.start()
+        done = launch(whole, "whole.log")
+        assert done.wait(600) == 0, done.tail()
+        interrupted = launch(cut, "cut.log")
+        wait_for_step(interrupted, 0)
+        server.kill()  # during step 1's rollout (or step 0's checkpoint): step 1's scoring finds nobody
+        rc = interrupted.wait(300)
+        log = interrupted.log.read_text(errors="replace")
+        assert rc == EXIT_RETRY_LATER, log[-3000:]
+        line = _one_error_line(log)
+        assert line.startswith(f"error: rewards.remote: {server.url}/score/jpeg_compressibility failed after 2 "
+                               "attempts: ConnectionError; the server stopped answering"), line
+        assert "checkpoint.resume=auto" in line
+        traceback_file = cut / "logs" / "error_rank0.txt"
+        assert f"(traceback: {traceback_file})" in line and "Traceback" in traceback_file.read_text()
+        assert [r["step"] for r in train_rows(cut)] == [0]
+        assert ckpt.list_checkpoints(cut / "checkpoints")[0].name == ckpt.checkpoint_name(1)
+        assert ckpt.verify(cut / "checkpoints" / ckpt.checkpoint_name(1)) is None
+
+        server.start()
+        resumed = launch(cut, "resumed.log", "checkpoint.resume=auto")
+        assert resumed.wait(600) == 0, resumed.tail()
+    finally:
+        server.kill()
+    a, b = train_rows(whole), train_rows(cut)
+    assert [r["step"] for r in b] == [0, 1, 2]
+    for ra, rb in zip(a, b):
+        assert {k: ra.get(k) for k in COMPARED} == {k: rb.get(k) for k in COMPARED}, ra["step"]
+    la, lb = (load_file(str(next((d / "final" / "lora").glob("*.safetensors")))) for d in (whole, cut))
+    assert la.keys() == lb.keys() and all((la[k] == lb[k]).all() for k in la)
+
+
+def _stat(path):
+    st = path.stat()
+    return st.st_mtime_ns, st.st_size
+
+
+@pytest.mark.slow
+def test_a_refused_resume_leaves_output_dir_as_it_was(tmp_path):
+    """output_dir's only checkpoint has a file of the right size but other bytes: the start-up checks (structure)
+    pass, the ranks' hashes refuse it (`auto` finds only damaged ones), exit 2, before the lock: nothing written,
+    nothing moved aside, no mtime changed."""
+    from grpo.config import load_config, to_dict
+
+    out = tmp_path / "run"
+    args = [*tiny_run(tmp_path), f"output_dir={out}", f"data.cache_dir={tmp_path / 'cache'}", "max_steps=1"]
+    bad = out / "checkpoints" / ckpt.checkpoint_name(3)
+    bad.mkdir(parents=True)
+    name = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    (bad / name).write_bytes(b"y" * 64)
+    meta = {"format": ckpt.FORMAT, "step": 3, "world_size": 2, "lora": True, "ema": False,
+            "config": to_dict(load_config(LORA, args)), "files": {name: [64, "0" * 64]}}
+    (bad / "meta.json").write_text(json.dumps(meta))
+    os.utime(out, ns=(10**18, 10**18))  # a distinct mtime: any entry made and removed in output_dir changes it
+    before = (snapshot(out), _stat(out), _stat(out / "checkpoints"))
+    proc = run_script("run.sh", [LORA, *args, "checkpoint.resume=auto"],
+                      extra_env={"NPROC": "2", "MASTER_PORT": str(free_port())}, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "[launch]" in proc.stderr  # the ranks ran: the hash check is theirs
+    assert _one_error_line(proc.stderr).startswith("error: checkpoint.resume: auto finds no valid checkpoint")
+    assert (snapshot(out), _stat(out), _stat(out / "checkpoints")) == before
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MiB tmpfs (room for one tiny LoRA checkpoint of 1.5 MiB and the run's other files, not two); root only."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_checkpoint_ends_with_one_line_and_keeps_the_previous_one(tmp_path, small_disk):
+    out = small_disk / "run"
+    run = Run.start(["bash", str(ROOT / "launch" / "run.sh"), LORA, *tiny_run(tmp_path), "max_steps=3",
+                     "checkpoint.every=1", "checkpoint.keep=1", "data.eval_prompts=null", "logging.sample_every=0",
+                     "logging.tensorboard=false", f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={out}"],
+                    tmp_path / "run.log", script_env({"NPROC": "2", "MASTER_PORT": str(free_port())}))
+    rc = run.wait(600)
+    log = run.log.read_text(errors="replace")
+    assert rc == 1, log[-3000:]
+    root = out / "checkpoints"
+    line = _one_error_line(log)
+    # Caught before writing: step 2's checkpoint needs step 1's 1.5 MiB, which the 3 MiB disk no longer has.
+    assert line.startswith(f"error: checkpoint: no space left on the device of {root} for "
+                           f"{ckpt.checkpoint_name(2)} (needs about 1.5 MiB"), line
+    assert f"the previous checkpoint {root / ckpt.checkpoint_name(1)} is intact" in line
+    assert "checkpoint.resume=auto" in line
+    # The half-written one is never a candidate; the previous one was not pruned and passes every hash.
+    assert [p.name for p in ckpt.list_checkpoints(root)] == [ckpt.checkpoint_name(1)]
+    assert not list(root.glob(".tmp-*"))
+    assert (root / ckpt.LATEST).read_text() == ckpt.checkpoint_name(1)
+    assert ckpt.newest_valid(root) == root / ckpt.checkpoint_name(1)
