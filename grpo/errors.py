@@ -67,13 +67,13 @@ def outside_exit(err: OutsideFailure, out: str | Path, rank: int) -> int:
 
 
 def rank_exit(line: str, code: int, every_rank: bool = False) -> int:
-    """A rank's last words before exiting with a code that means something (2 bad input, 3 too many skipped updates,
-    75 retry later): every rank finds the same problem, so rank 0 alone prints `line` on stderr. Under torchrun rank 0
-    also writes it to torchelastic's error file (TORCHELASTIC_ERROR_FILE, the format ErrorHandler.record_exception writes), so that
-    a plain torchrun, which exits 1 with its ChildFailedError report, names that line and its code as the root
-    cause instead of "To enable traceback see ...". every_rank: a failure that this rank may have met alone (the
-    disk, during its own writes): every rank writes the error file, so tools/torchrun.py can print the line when rank
-    0 did not get to (its peers were stuck in a collective and torchrun stopped them). Returns `code`."""
+    """A rank's last words before exiting with a code that means something (2 bad input, 3 too many skipped updates, 75
+    retry later): every rank finds the same problem, so rank 0 alone prints `line` on stderr. Under torchrun rank 0 also
+    writes it to torchelastic's error file (TORCHELASTIC_ERROR_FILE, the format ErrorHandler.record_exception writes),
+    so that a plain torchrun, which exits 1 with its ChildFailedError report, names that line and its code as the root
+    cause instead of "To enable traceback see ...". every_rank: a failure that this rank may have met alone (the disk,
+    during its own writes): every rank writes the error file, so tools/torchrun.py can print the line when rank 0 did
+    not get to (its peers were stuck in a collective and torchrun stopped them). Returns `code`."""
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0 and not every_rank:
         return code
