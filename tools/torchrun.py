@@ -7,9 +7,8 @@ tools.launch.torchrun_cmd (tests, tools, benchmarks) starts it; it runs torchrun
 
 - Exit code: torchrun turns a failed worker into exit 1 and a ChildFailedError traceback. Here the job exits with the
   first failed worker's code when it is 2 (bad input), 3 (too many skipped updates) or 75 (a dependency is down,
-  retry later), whose one ``error:`` line the
-  recipe printed on rank 0, and otherwise with 1 after one ``[launch]`` line naming the rank and its code. 0 when
-  every worker exits 0.
+  retry later), whose one ``error:`` line the recipe printed on rank 0, and otherwise with 1 after one ``[launch]``
+  line naming the rank and its code. 0 when every worker exits 0.
 - Preemption: torchrun answers SIGTERM/SIGINT by terminating its workers within 30 s, too short for a FLUX.1-dev step
   and its checkpoint. Here the signal is forwarded to the workers, which finish the step, save a checkpoint and
   exit 0 (grpo/health.py); workers still running GRACE_S seconds (environment, default 600) after the first signal
