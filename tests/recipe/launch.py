@@ -219,6 +219,16 @@ def assert_resumed_step_exact(two: dict, resumed: dict) -> None:
     assert max_abs_diff(*(trained_weights(run["dir"] / last, "model") for run in (resumed, two))) == 0
 
 
+def one_error_line(log: str) -> str:
+    """The error line of a refused or failed run, after asserting it is the only one and the last, with no traceback
+    (DeepSpeed's accelerator notice may precede it)."""
+    lines = log.strip().splitlines()
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    return errors[0]
+
+
 def max_abs_diff(a: dict, b: dict) -> float:
     assert set(a) == set(b), set(a) ^ set(b)
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)

@@ -15,8 +15,8 @@ from grpo import checkpoint as ckpt
 from grpo.config import load_config, to_dict
 from grpo.lock import LOCK
 from tests import ROOT, TINY, snapshot
-from tests.recipe.launch import Run, max_abs_diff, run_plain, run_script, script_env, steps_logged, tiny_run, \
-    train_rows, trained_weights, wait_for_step
+from tests.recipe.launch import Run, max_abs_diff, one_error_line, run_plain, run_script, script_env, steps_logged, \
+    tiny_run, train_rows, trained_weights, wait_for_step
 from tools.launch import free_port
 
 LORA = str(ROOT / "recipes" / "configs" / "tiny" / "grpo_lora.yaml")
@@ -30,15 +30,6 @@ def test_real_process_exits_2(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("error: output_dir:")
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
-
-
-def _one_error_line(stderr: str) -> str:
-    """The error line, after asserting it is the only one and the last (DeepSpeed's accelerator notice may precede)."""
-    lines = stderr.strip().splitlines()
-    errors = [line for line in lines if line.startswith("error:")]
-    assert len(errors) == 1 and lines[-1] == errors[0], stderr[-2000:]
-    assert "Traceback" not in stderr, stderr[-2000:]
-    return errors[0]
 
 
 @pytest.mark.parametrize("case", ["unknown key", "batch arithmetic of NPROC=3", "hostfile of 3 slots",
@@ -66,7 +57,7 @@ def test_launch_scripts_exit_2_before_torchrun(tmp_path, case):
     before = snapshot(out)
     proc = run_script(script, cmd, extra_env=env, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert _one_error_line(proc.stderr).startswith(f"error: {setting}:")
+    assert one_error_line(proc.stderr).startswith(f"error: {setting}:")
     assert "[launch]" not in proc.stderr  # no rank was started
     assert snapshot(out) == before
 
@@ -79,7 +70,7 @@ def test_lora_target_matching_no_module_exits_2_and_writes_nothing(tmp_path):
     proc = run_plain(LORA, ["lora.target_modules=[to_q, no_such_module]", "max_steps=1", f"output_dir={out}",
                             f"model.path={TINY}", f"data.cache_dir={tmp_path / 'cache'}"])
     assert proc.returncode == 2, proc.stderr[-2000:]
-    line = _one_error_line(proc.stderr)
+    line = one_error_line(proc.stderr)
     assert line.startswith("error: lora.target_modules: 'no_such_module' matches no module")
     assert list(out.iterdir()) == []
 
@@ -101,7 +92,7 @@ def test_bad_input_found_by_the_ranks_gives_the_launcher_exit_2_and_one_line(tmp
                                                                                      "MASTER_PORT": str(free_port())})
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "[launch]" in proc.stderr  # the ranks ran
-    assert _one_error_line(proc.stderr).startswith(f"error: checkpoint.resume: {bad} is not a usable checkpoint")
+    assert one_error_line(proc.stderr).startswith(f"error: checkpoint.resume: {bad} is not a usable checkpoint")
     assert "ChildFailedError" not in proc.stderr
     assert not (out / LOCK).exists()
 
@@ -132,7 +123,7 @@ def stopped_run(tmp_path_factory):
 def test_a_second_job_on_a_live_output_dir_exits_2_naming_the_holder(stopped_run):
     second, holder = stopped_run["second"], stopped_run["holder"]
     assert second.returncode == 2, second.stderr[-2000:]
-    line = _one_error_line(second.stderr)
+    line = one_error_line(second.stderr)
     assert line.startswith(f"error: output_dir: {stopped_run['out']} is in use by host {holder['host']} "
                            f"pid {holder['pid']} ")
     assert "[launch]" not in second.stderr  # refused before torchrun

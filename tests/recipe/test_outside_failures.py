@@ -23,20 +23,12 @@ from safetensors.torch import load_file
 from grpo import checkpoint as ckpt
 from grpo.errors import EXIT_RETRY_LATER
 from tests import ROOT, snapshot
-from tests.recipe.launch import Run, run_script, script_env, tiny_run, train_rows, wait_for_step
+from tests.recipe.launch import Run, one_error_line, run_script, script_env, tiny_run, train_rows, wait_for_step
 from tests.recipe.test_remote_reward import _wait_healthy
 from tools.launch import free_port, launch_env
 
 LORA = str(ROOT / "recipes" / "configs" / "tiny" / "grpo_lora.yaml")
 COMPARED = ("reward_mean", "reward_std", "loss", "grad_norm", "lr", "clip_frac")
-
-
-def _one_error_line(log: str) -> str:
-    lines = log.strip().splitlines()
-    errors = [line for line in lines if line.startswith("error:")]
-    assert len(errors) == 1 and lines[-1] == errors[0], log[-3000:]
-    assert "Traceback" not in log, log[-3000:]
-    return errors[0]
 
 
 class Server:
@@ -84,7 +76,7 @@ def test_a_reward_server_that_stops_answering_ends_with_75_and_resumes_exactly(t
         rc = interrupted.wait(300)
         log = interrupted.log.read_text(errors="replace")
         assert rc == EXIT_RETRY_LATER, log[-3000:]
-        line = _one_error_line(log)
+        line = one_error_line(log)
         assert line.startswith(f"error: rewards.remote: {server.url}/score/jpeg_compressibility failed after 2 "
                                "attempts: ConnectionError; the server stopped answering"), line
         assert "checkpoint.resume=auto" in line
@@ -134,7 +126,7 @@ def test_a_refused_resume_leaves_output_dir_as_it_was(tmp_path):
                       extra_env={"NPROC": "2", "MASTER_PORT": str(free_port())}, timeout=600)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "[launch]" in proc.stderr  # the ranks ran: the hash check is theirs
-    assert _one_error_line(proc.stderr).startswith("error: checkpoint.resume: auto finds no valid checkpoint")
+    assert one_error_line(proc.stderr).startswith("error: checkpoint.resume: auto finds no valid checkpoint")
     assert (snapshot(out), _stat(out), _stat(out / "checkpoints")) == before
 
 
@@ -162,7 +154,7 @@ def test_a_full_disk_during_a_checkpoint_ends_with_one_line_and_keeps_the_previo
     log = run.log.read_text(errors="replace")
     assert rc == 1, log[-3000:]
     root = out / "checkpoints"
-    line = _one_error_line(log)
+    line = one_error_line(log)
     # Caught before writing: step 2's checkpoint needs step 1's 1.5 MiB, which the 3 MiB disk no longer has.
     assert line.startswith(f"error: checkpoint: no space left on the device of {root} for "
                            f"{ckpt.checkpoint_name(2)} (needs about 1.5 MiB"), line
