@@ -1,5 +1,5 @@
 """Gather per-sample values (rewards, group ids) from all ranks into one table in global sample order; agree on an
-outside failure that only some ranks met."""
+outside failure that only some ranks met; leave the process group when every rank ends together."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import Tensor
 
 from grpo.errors import OutsideFailure
 
-__all__ = ["gather_by_index", "agreed_outside_failure"]
+__all__ = ["gather_by_index", "agreed_outside_failure", "leave"]
 
 
 @contextlib.contextmanager
@@ -36,8 +36,11 @@ def agreed_outside_failure(device: torch.device) -> Iterator[None]:
             dist.all_gather_object(seen, None if failure is None else (str(failure), failure.code))
             message, code = next(s for s in seen if s is not None)  # the lowest rank's: the same line everywhere
             if failure is None or str(failure) != message:
-                raise OutsideFailure(message, code) from failure
+                agreed = OutsideFailure(message, code)
+                agreed.agreed = True
+                raise agreed from failure
     if failure is not None:
+        failure.agreed = True
         raise failure
 
 
@@ -115,3 +118,13 @@ def _check_exactly_once(index: Tensor, total: int) -> None:
             f"missing {missing[:8].tolist()} ({missing.numel()} in all), "
             f"repeated {repeated[:8].tolist()} ({repeated.numel()} in all)"
         )
+
+
+def leave() -> None:
+    """Destroy the process group while the interpreter is still whole, when every rank ends together (done, bad
+    input, a skip streak, an agreed outside failure). Without it gloo's worker threads can abort the process during
+    interpreter finalisation ("terminate called without an active exception": SIGABRT, pytorch#190489), and the
+    code a launcher passes on (2, 3, 75) becomes a kill. Not for a rank that ends alone: its peers still wait in a
+    collective on the group, and tearing it down under them can hang (torchtitan#1342)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

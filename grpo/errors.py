@@ -43,6 +43,7 @@ class OutsideFailure(RuntimeError):
     def __init__(self, message: str, code: int = 1):
         super().__init__(message)
         self.code = code
+        self.agreed = False  # every rank raised it together (grpo.distributed.agreed_outside_failure)
 
 
 class DependencyDown(OutsideFailure):

@@ -75,7 +75,7 @@ from grpo import export, health
 from grpo import lock as out_lock
 from grpo.config import RecipeConfig, dump_config, load_config, to_dict
 from grpo.data import micro_batches, prompts_for_step, step_noise_generator
-from grpo.distributed import agreed_outside_failure, gather_by_index
+from grpo.distributed import agreed_outside_failure, gather_by_index, leave
 from grpo.ema import ShardedEMA
 from grpo.errors import ConfigError, OutsideFailure, outside_exit, rank_exit
 from grpo.models.blocks import compile_blocks, compile_seconds, enable_checkpointing
@@ -476,19 +476,24 @@ def main(argv: list[str] | None = None) -> int:
         recipe = FluxGRPORecipe(load_config(args.config, args.overrides))
         recipe.setup()
     except ConfigError as e:
-        return rank_exit(f"error: {e}", 2)
-    try:
-        recipe.train()
-    except health.TooManySkips as e:
-        return rank_exit(f"error: {e}", health.EXIT_TOO_MANY_SKIPS)
-    except OutsideFailure as e:  # a server, the disk: one line, its code, the traceback in output_dir/logs/
-        return outside_exit(e, recipe.out, recipe.rank)
-    except RuntimeError as e:  # a dead or hung rank surfaces here after faults.comm_timeout_s
-        hint = health.comm_failure(e, recipe.cfg.faults.comm_timeout_s)
-        if hint:
-            log.error(hint)
-        raise
-    return 0
+        code = rank_exit(f"error: {e}", 2)
+    else:
+        try:
+            recipe.train()
+            code = 0
+        except health.TooManySkips as e:
+            code = rank_exit(f"error: {e}", health.EXIT_TOO_MANY_SKIPS)
+        except OutsideFailure as e:  # a server, the disk: one line, its code, the traceback in output_dir/logs/
+            code = outside_exit(e, recipe.out, recipe.rank)
+            if not e.agreed:  # met by this rank alone, e.g. the disk inside DeepSpeed's save
+                return code
+        except RuntimeError as e:  # a dead or hung rank surfaces here after faults.comm_timeout_s
+            hint = health.comm_failure(e, recipe.cfg.faults.comm_timeout_s)
+            if hint:
+                log.error(hint)
+            raise
+    leave()
+    return code
 
 
 if __name__ == "__main__":
