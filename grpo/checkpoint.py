@@ -51,6 +51,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from grpo import rng
+from grpo.rng import RngState
 from grpo.compat import check_compatible
 from grpo.config import RecipeConfig, to_dict
 from grpo.distributed import agreed_outside_failure
@@ -406,8 +407,16 @@ class Checkpointer:
         every = self.cfg.checkpoint.every
         return every > 0 and (steps_done % every == 0 or steps_done == self.cfg.max_steps)
 
-    def save(self, engine, state: RunState, ema=None, lagging=None) -> Path:
-        """Write the checkpoint of `state.step` completed steps atomically; returns its folder.
+    def has(self, steps_done: int) -> bool:
+        """Collective: a complete checkpoint of `steps_done` steps is there (rank 0's view, which every rank takes)."""
+        found = [(self.root / checkpoint_name(steps_done) / META).is_file()]
+        if _collective():
+            dist.broadcast_object_list(found, src=0)
+        return found[0]
+
+    def save(self, engine, state: RunState, ema=None, lagging=None, rng_state: RngState | None = None) -> Path:
+        """Write the checkpoint of `state.step` completed steps atomically; returns its folder. `rng_state`: this
+        rank's RNG state to store (rng.rng_state; default: the current one).
 
         A full disk raises an OutsideFailure on every rank (one line, exit 1; see :func:`_disk_full`), the previous
         checkpoints untouched. It is caught before anything is written when the last checkpoint's size is not free
@@ -430,8 +439,8 @@ class Checkpointer:
             engine.save_checkpoint(str(self.root), tag=tmp.name, save_latest=False,
                                    exclude_frozen_parameters=self.cfg.lora is not None)
         with phase():
-            get_rng, _ = rng.device_rng()
-            tensors, meta = rng.rng_state(get_rng)
+            tensors, meta = rng_state or rng.snapshot()
+            tensors, meta = dict(tensors), dict(meta)  # a given state is kept as it was
             for average in (ema, lagging):
                 if average is not None:
                     avg_tensors, avg_meta = average.state()

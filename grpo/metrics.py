@@ -87,6 +87,10 @@ class MetricsLogger:
             run_id = "grpo-" + hashlib.sha256(str(self.out.resolve()).encode()).hexdigest()[:16]
             self.wandb = wb.init(name=self.out.name, dir=str(self.out), config=config, resume="allow", id=run_id)
 
+    def has_eval(self, step: int) -> bool:
+        """An eval row of `step` was logged (by this run or the run it resumes)."""
+        return any(_is_eval_row(r) and r["step"] == step for r in self.rows)
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return

@@ -12,7 +12,10 @@ import torch
 
 from grpo import device as dev
 
-def rng_state(device_rng: Callable[[], torch.Tensor] | None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+RngState = tuple[dict[str, torch.Tensor], dict[str, str]]  # safetensors' tensors and metadata
+
+
+def rng_state(device_rng: Callable[[], torch.Tensor] | None) -> RngState:
     """Python, NumPy, torch (CPU) and accelerator RNG states as tensors + string metadata (safetensors-ready)."""
     version, py_state, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
@@ -44,3 +47,8 @@ def device_rng():
     if acc.device_name() == "cpu":  # the CPU accelerator's RNG is torch's CPU RNG, saved already
         return None, None
     return acc.get_rng_state, acc.set_rng_state
+
+
+def snapshot() -> RngState:
+    """This rank's RNG state now, as a checkpoint stores it."""
+    return rng_state(device_rng()[0])

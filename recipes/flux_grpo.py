@@ -73,11 +73,12 @@ from grpo import engine as eng
 from grpo import eval as evals
 from grpo import export, health
 from grpo import lock as out_lock
+from grpo import rng
 from grpo.config import RecipeConfig, dump_config, load_config, to_dict
 from grpo.data import micro_batches, prompts_for_step, step_noise_generator
 from grpo.distributed import agreed_outside_failure, gather_by_index, leave
 from grpo.ema import ShardedEMA
-from grpo.errors import ConfigError, OutsideFailure, outside_exit, rank_exit
+from grpo.errors import ConfigError, DependencyDown, OutsideFailure, outside_exit, rank_exit
 from grpo.models.blocks import compile_blocks, compile_seconds, enable_checkpointing
 from grpo.inputs import check_inputs
 from grpo.loading import transformer_loader
@@ -228,8 +229,8 @@ class FluxGRPORecipe:
     def train(self) -> None:
         """Run steps state.step .. max_steps-1; SIGTERM/SIGINT: finish the step, save, return (exit 0)."""
         cfg = self.cfg
-        if self.state.step == 0:
-            self.evaluate(step=0)
+        if self.state.step == 0 or self._eval_owed(self.state.step):
+            self.evaluate(step=self.state.step)
         stop = health.StopSignal()
         stop.install()
         try:
@@ -239,7 +240,8 @@ class FluxGRPORecipe:
                         self.save_checkpoint(step)
                     return self._stopped(step)
                 self.profiler.start(step)
-                result = self.step(step)
+                with self._saved_if_a_dependency_is_down(steps_done=step):
+                    result = self.step(step)
                 too_many_skips = self.skips.record(result.stats["skipped_updates"] > 0)
                 stats = {**result.stats, "skipped_total": self.skips.total}
                 self.metrics.log(step, stats)
@@ -288,10 +290,10 @@ class FluxGRPORecipe:
 
     def _after_step(self, done: int, stop: health.StopSignal, too_many_skips: bool) -> bool:
         """Held-out eval and checkpoint when due; True when a stop signal arrived (the checkpoint is then written)."""
-        every = self.cfg.logging.eval_every
         stopping = stop.agreed(self.device)  # collective: every rank stops after the same step
-        if not stopping and (done == self.cfg.max_steps or (every and done % every == 0)):
-            self.evaluate(step=done)
+        if not stopping and self._eval_due(done):
+            with self._saved_if_a_dependency_is_down(steps_done=done):
+                self.evaluate(step=done)
         if self.checkpoints.due(done) or stopping or too_many_skips:
             self.save_checkpoint(done)
         if too_many_skips:
@@ -301,6 +303,38 @@ class FluxGRPORecipe:
                 "a checkpoint was saved; fix the cause, then rerun with checkpoint.resume=auto"
             )
         return stopping
+
+    def _eval_due(self, done: int) -> bool:
+        every = self.cfg.logging.eval_every
+        return done == self.cfg.max_steps or bool(every and done % every == 0)
+
+    def _eval_owed(self, step: int) -> bool:
+        """Collective: the eval of `step` is due but not in metrics.jsonl (rank 0's rows): the run this one resumes
+        stopped before it, on a signal or on a dependency that failed it."""
+        owed = [self._eval_due(step) and not self.metrics.has_eval(step)]
+        if self.world > 1:
+            dist.broadcast_object_list(owed, src=0)
+        return owed[0]
+
+    @contextlib.contextmanager
+    def _saved_if_a_dependency_is_down(self, steps_done: int):
+        """Around a part of the run a dependency can fail (a reward server: a step's scoring, the held-out eval's).
+        Every rank raises its DependencyDown together (agreed_outside_failure); before the run ends with exit 75 the
+        state of `steps_done` completed steps is checkpointed, unless it is already, so that checkpoint.resume=auto
+        continues exactly once the dependency is back, however old the last periodic checkpoint. Inside a step that
+        is the state at the step's start: the failure comes before the update, and the RNG is put back as it was."""
+        start = rng.snapshot()
+        try:
+            yield
+        except DependencyDown as down:
+            if down.agreed and not self.checkpoints.has(steps_done):
+                rng.set_rng_state(*start, rng.device_rng()[1])
+                try:
+                    self.save_checkpoint(steps_done)
+                except OutsideFailure as e:  # the disk: the dependency's line stays the one to act on
+                    log.warning("no checkpoint after %d steps: %s", steps_done, e)
+                    down.agreed = e.agreed
+            raise
 
     def _stopped(self, done: int) -> None:
         if self.rank == 0:

@@ -153,6 +153,12 @@ class Run:
 
 
 def train_rows(out: Path) -> list[dict]:
+    """The training rows of a run's metrics.jsonl (no eval rows)."""
+    return [r for r in metrics_rows(out) if "reward_mean" in r]
+
+
+def metrics_rows(out: Path) -> list[dict]:
+    """Every complete row of a run's metrics.jsonl so far."""
     path = out / "metrics.jsonl"
     if not path.exists():
         return []
@@ -162,7 +168,7 @@ def train_rows(out: Path) -> list[dict]:
             rows.append(json.loads(line))
         except json.JSONDecodeError:  # a line being written right now
             break
-    return [r for r in rows if "reward_mean" in r]
+    return rows
 
 
 HEALTH = re.compile(r"flux_grpo step (\d+) \|")

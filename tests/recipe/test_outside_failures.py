@@ -2,8 +2,10 @@
 traceback on stderr (it goes to output_dir/logs/error_rank0.txt), an exit code that says what to do, and the last
 complete checkpoint usable. A refused start leaves output_dir as it was, to its mtime.
 
-- A reward server (`python -m tools.rewards serve`, a real process) killed after step 0 of a 3-step run: exit 75
-  (retry later); a server started again and checkpoint.resume=auto continue to the uninterrupted run's rows and LoRA.
+- A reward server (`python -m tools.rewards serve`, a real process) killed in a 3-step run without periodic
+  checkpoints, once inside step 1 and once before the eval of step 2: exit 75 (retry later) each time, with a
+  checkpoint of the completed steps saved on the way out; a server started again and checkpoint.resume=auto continue
+  to the uninterrupted run's rows (the held-out evals included, the failed one done again) and LoRA.
 - A full disk (a 3 MiB tmpfs, a checkpoint every step, keep 1): step 2's checkpoint does not fit; exit 1 with one
   line naming the folder, step 1's checkpoint kept, verified, and the only one resume can pick.
 - A refused resume (every checkpoint of output_dir damaged, found only by the ranks' hashes) leaves output_dir
@@ -23,7 +25,8 @@ from safetensors.torch import load_file
 from grpo import checkpoint as ckpt
 from grpo.errors import EXIT_RETRY_LATER
 from tests import ROOT, snapshot
-from tests.recipe.launch import Run, one_error_line, run_script, script_env, tiny_run, train_rows, wait_for_step
+from tests.recipe.launch import (Run, metrics_rows, one_error_line, run_script, script_env, tiny_run, train_rows,
+                                 wait_for_step)
 from tests.recipe.test_remote_reward import _wait_healthy
 from tools.launch import free_port, launch_env
 
@@ -57,36 +60,42 @@ def test_a_reward_server_that_stops_answering_ends_with_75_and_resumes_exactly(t
     server = Server(tmp_path, free_port())
     remote = {"remote": {"url": server.url, "reward": "jpeg_compressibility", "retries": 1, "backoff": 0.2,
                          "timeout": 20}}
-    common = [*tiny_run(tmp_path), "max_steps=3", "checkpoint.every=1", "checkpoint.keep=3", "data.eval_prompts=null",
-              "logging.sample_every=0", "logging.tensorboard=false", f"data.cache_dir={tmp_path / 'cache'}",
-              "rewards=" + json.dumps(remote)]
+    # No periodic checkpoint (every 100 steps): the checkpoints the resumes need are the ones saved when the server
+    # is found gone. Evals (scored by the same server) at steps 0, 2 and 3: killed after step 0, the server is missed
+    # by step 1's scoring (inside a step); killed after step 1, by the eval of step 2 (between steps).
+    common = [*tiny_run(tmp_path), "max_steps=3", "checkpoint.every=100", "logging.eval_every=2",
+              "logging.eval_seeds=1", "logging.sample_every=0", "logging.tensorboard=false",
+              f"data.cache_dir={tmp_path / 'cache'}", "rewards=" + json.dumps(remote)]
 
     def launch(out, log, *extra):
         return Run.start(["bash", str(ROOT / "launch" / "run.sh"), LORA, *common, f"output_dir={out}", *extra],
                          tmp_path / log, script_env({"NPROC": "2", "MASTER_PORT": str(free_port())}))
+
+    def cut_after(step: int, log: str, *extra) -> None:
+        interrupted = launch(cut, log, *extra)
+        wait_for_step(interrupted, step)
+        server.kill()
+        rc = interrupted.wait(300)
+        text = interrupted.log.read_text(errors="replace")
+        assert rc == EXIT_RETRY_LATER, text[-3000:]
+        line = one_error_line(text)
+        assert line.startswith(f"error: rewards.remote: {server.url}/score/jpeg_compressibility failed after 2 "
+                               "attempts: ConnectionError; the server stopped answering"), line
+        assert "checkpoint.resume=auto" in line
+        traceback_file = cut / "logs" / "error_rank0.txt"
+        assert f"(traceback: {traceback_file})" in line and "Traceback" in traceback_file.read_text()
+        assert [r["step"] for r in train_rows(cut)] == list(range(step + 1))
+        saved = ckpt.list_checkpoints(cut / "checkpoints")
+        assert saved[0].name == ckpt.checkpoint_name(step + 1) and ckpt.verify(saved[0]) is None
+        server.start()
 
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     try:
         server.start()
         done = launch(whole, "whole.log")
         assert done.wait(600) == 0, done.tail()
-        interrupted = launch(cut, "cut.log")
-        wait_for_step(interrupted, 0)
-        server.kill()  # during step 1's rollout (or step 0's checkpoint): step 1's scoring finds nobody
-        rc = interrupted.wait(300)
-        log = interrupted.log.read_text(errors="replace")
-        assert rc == EXIT_RETRY_LATER, log[-3000:]
-        line = one_error_line(log)
-        assert line.startswith(f"error: rewards.remote: {server.url}/score/jpeg_compressibility failed after 2 "
-                               "attempts: ConnectionError; the server stopped answering"), line
-        assert "checkpoint.resume=auto" in line
-        traceback_file = cut / "logs" / "error_rank0.txt"
-        assert f"(traceback: {traceback_file})" in line and "Traceback" in traceback_file.read_text()
-        assert [r["step"] for r in train_rows(cut)] == [0]
-        assert ckpt.list_checkpoints(cut / "checkpoints")[0].name == ckpt.checkpoint_name(1)
-        assert ckpt.verify(cut / "checkpoints" / ckpt.checkpoint_name(1)) is None
-
-        server.start()
+        cut_after(0, "cut0.log")
+        cut_after(1, "cut1.log", "checkpoint.resume=auto")
         resumed = launch(cut, "resumed.log", "checkpoint.resume=auto")
         assert resumed.wait(600) == 0, resumed.tail()
     finally:
@@ -95,6 +104,9 @@ def test_a_reward_server_that_stops_answering_ends_with_75_and_resumes_exactly(t
     assert [r["step"] for r in b] == [0, 1, 2]
     for ra, rb in zip(a, b):
         assert {k: ra.get(k) for k in COMPARED} == {k: rb.get(k) for k in COMPARED}, ra["step"]
+    evals = [[(r["step"], r["eval/reward_mean"]) for r in metrics_rows(d) if "eval/reward_mean" in r]
+             for d in (whole, cut)]
+    assert evals[1] == evals[0] and [s for s, _ in evals[0]] == [0, 2, 3]  # each once, the failed one done again
     la, lb = (load_file(str(next((d / "final" / "lora").glob("*.safetensors")))) for d in (whole, cut))
     assert la.keys() == lb.keys() and all((la[k] == lb[k]).all() for k in la)
 
