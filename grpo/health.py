@@ -131,6 +131,15 @@ def _fmt(v) -> str:
 RATIO_DEV_WARN_FRACTION = 0.1
 
 
+def _worst_timestep(stats: dict[str, float]) -> str:
+    """" at transition j (mean |ratio - 1| m there)" for the transition with the largest ratio_dev/tJJ_max."""
+    worst = max(((v, k) for k, v in stats.items() if k.startswith("ratio_dev/") and k.endswith("_max")), default=None)
+    if worst is None:
+        return ""
+    j = worst[1][len("ratio_dev/t"):-len("_max")]
+    return f" at transition {int(j)} (mean {_fmt(stats.get(f'ratio_dev/t{j}_mean'))} there)"
+
+
 def health_line(step: int, stats: dict[str, float], clip_range: float | None = None) -> str:
     """One line per step with what tells a healthy GRPO run from a sick one; with ``clip_range`` it ends with a
     warning when ``ratio_max_dev`` exceeds :data:`RATIO_DEV_WARN_FRACTION` of it (non-deterministic kernels)."""
@@ -151,6 +160,7 @@ def health_line(step: int, stats: dict[str, float], clip_range: float | None = N
     ]
     dev = stats.get("ratio_max_dev")
     if clip_range is not None and dev is not None and dev > RATIO_DEV_WARN_FRACTION * clip_range:
-        parts.append(f"WARNING ratio_max_dev {_fmt(dev)} exceeds {RATIO_DEV_WARN_FRACTION:.0%} of clip_range "
-                     f"{_fmt(clip_range)}: the first pass does not reproduce the rollout (model.deterministic)")
+        parts.append(f"WARNING ratio_max_dev {_fmt(dev)}{_worst_timestep(stats)} exceeds "
+                     f"{RATIO_DEV_WARN_FRACTION:.0%} of clip_range {_fmt(clip_range)}: the first pass does not "
+                     "reproduce the rollout (model.deterministic)")
     return " | ".join(parts)

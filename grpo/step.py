@@ -73,22 +73,30 @@ class LossSums:
     so the accelerator's queue never drains between micro-batches.
     """
 
+    points: int = 0  # transitions a trajectory has (sampling.num_steps): the length of the per-timestep stats
     sums: dict[str, torch.Tensor] = field(default_factory=dict)  # "loss" and each scalar stat of the objective
     passes: int = 0
     nonfinite: torch.Tensor | None = None  # backward passes with a non-finite loss
-    ratio_max_dev: torch.Tensor | None = None  # grpo only
+    # grpo only, the on-policy block's |ratio - 1| per transition j: its max, its sum and the rows it was taken over
+    ratio_dev: torch.Tensor | None = None  # [3, points]
 
-    def add(self, loss: torch.Tensor, stats: dict[str, torch.Tensor], on_policy: bool = False) -> None:
-        """One backward pass: `loss` and the objective's detached stats ("ratio" [B] for grpo: its mean is logged,
-        and its largest deviation from 1 in the on-policy block); `on_policy` for the first update block."""
+    def add(self, loss: torch.Tensor, stats: dict[str, torch.Tensor], on_policy: bool = False,
+            point: int = 0) -> None:
+        """One backward pass at transition `point`: `loss` and the objective's detached stats ("ratio" [B] for grpo:
+        its mean is logged, and its deviation from 1 in the on-policy block, per transition); `on_policy` for the
+        first update block."""
         values = {"loss": loss}
         for key, value in stats.items():
             if key == "ratio":
                 values["ratio_mean"] = value.mean()
-                if self.ratio_max_dev is None:
-                    self.ratio_max_dev = torch.zeros((), dtype=torch.float32, device=value.device)
+                if self.ratio_dev is None:
+                    self.ratio_dev = torch.zeros(3, max(self.points, point + 1), dtype=torch.float32,
+                                                 device=value.device)
                 if on_policy:
-                    self.ratio_max_dev = torch.maximum(self.ratio_max_dev, (value.detach().float() - 1).abs().max())
+                    dev = (value.detach().float() - 1).abs()
+                    self.ratio_dev[0, point] = torch.maximum(self.ratio_dev[0, point], dev.max())
+                    self.ratio_dev[1, point] += dev.sum()
+                    self.ratio_dev[2, point] += dev.numel()
             else:
                 values[key] = value
         for key, value in values.items():
@@ -109,10 +117,16 @@ class LossSums:
         named = {f.name for f in dataclasses.fields(UpdateStats)}
         stats = UpdateStats(**{k: v for k, v in values.items() if k in named}, nonfinite_loss=summed[-1].item(),
                             extra={k: v for k, v in values.items() if k not in named})
-        if self.ratio_max_dev is not None:
-            dev = self.ratio_max_dev.reshape(1).to(device)
-            dist.all_reduce(dev, op=dist.ReduceOp.MAX)
-            stats.ratio_max_dev = dev.item()
+        if self.ratio_dev is not None:
+            worst, totals = self.ratio_dev[0].to(device), self.ratio_dev[1:].to(device)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            dist.all_reduce(totals)
+            stats.ratio_max_dev = worst.max().item()
+            # Which timestep drifts, when one does (an accelerator's kernels differ between rollout and update):
+            # the transitions some rank trained in the on-policy block, over all ranks.
+            for j in torch.nonzero(totals[1] > 0).flatten().tolist():
+                stats.extra[f"ratio_dev/t{j:02d}_max"] = worst[j].item()
+                stats.extra[f"ratio_dev/t{j:02d}_mean"] = (totals[0, j] / totals[1, j]).item()
         return stats
 
 

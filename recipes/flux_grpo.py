@@ -422,7 +422,7 @@ class FluxGRPORecipe:
         """Accumulate the objective's loss over the trained points (transitions or noise levels) of each update
         block, then step."""
         per_update = self.layout.micro_batches_per_update
-        sums = LossSums()
+        sums = LossSums(points=self.cfg.sampling.num_steps)
         skipped_before = self.engine.skipped_steps
         for n, c in enumerate(progress(chunks, f"update {step}", self.show_progress)):
             adv = advantages[torch.tensor(c.ids, device=advantages.device)]
@@ -432,7 +432,8 @@ class FluxGRPORecipe:
                 loss = poison_nonfinite(loss)  # ZeRO-3 then skips the optimizer step (non-finite grad norm)
                 self.engine.backward(loss)
                 self.engine.step()
-                sums.add(loss, st, on_policy=n < per_update)  # the first update block is exactly on-policy
+                # the first update block is exactly on-policy
+                sums.add(loss, st, on_policy=n < per_update, point=j)
         stats = sums.reduce(self.device)
         skipped = self.engine.skipped_steps - skipped_before  # identical on all ranks (global grad norm)
         if stats.nonfinite_loss > 0 and skipped == 0:

@@ -48,6 +48,10 @@ def test_ratio_is_one_on_the_first_pass_with_batched_rollouts(lora_runs, full_kl
     for runs in (lora_runs, full_kl_runs):
         assert runs[2]["stats"]["ratio_max_dev"] <= 1e-5, runs[2]["stats"]
     assert lora_runs[2]["stats"]["clip_frac"] == 0.0  # one update per step: every transition is on-policy
+    # Per transition too: timestep_fraction 1 trains all three of the 4-step trajectory.
+    per_step = {k: v for k, v in lora_runs[2]["stats"].items() if k.startswith("ratio_dev/")}
+    assert set(per_step) == {f"ratio_dev/t{j:02d}_{m}" for j in range(3) for m in ("max", "mean")}, per_step
+    assert set(per_step.values()) == {0.0}
     assert full_kl_runs[2]["stats"]["clip_frac"] > 0.0  # the second update block is off-policy and gets clipped
 
 

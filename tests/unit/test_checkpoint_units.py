@@ -202,6 +202,10 @@ def test_health_line_warns_when_the_ratio_drifts_from_one():
     assert line.startswith(quiet + " | ") and "\n" not in line
     assert "WARNING ratio_max_dev 2.00e-05 exceeds 10% of clip_range 1.00e-04" in line
     assert "WARNING" not in health.health_line(1, {**stats, "ratio_max_dev": None}, clip_range=1e-4)
+    per_step = {**stats, "ratio_dev/t00_max": 1e-6, "ratio_dev/t00_mean": 5e-7, "ratio_dev/t07_max": 2e-5,
+                "ratio_dev/t07_mean": 4e-6}
+    assert ("WARNING ratio_max_dev 2.00e-05 at transition 7 (mean 4.00e-06 there) exceeds 10% of clip_range"
+            in health.health_line(1, per_step, clip_range=1e-4))
 
 
 def test_the_recipe_refuses_before_moving_anything_and_sets_aside_after_the_lock(tmp_path):

@@ -20,17 +20,34 @@ def one_process_group():
 
 
 def test_sums_stay_tensors_until_the_reduce(one_process_group):
-    sums = LossSums()
-    sums.add(torch.tensor(1.0), {"ratio": torch.tensor([1.0, 1.25]), "kl": torch.tensor(0.5)}, on_policy=True)
+    sums = LossSums(points=4)
+    sums.add(torch.tensor(1.0), {"ratio": torch.tensor([1.0, 1.25]), "kl": torch.tensor(0.5)}, on_policy=True,
+             point=2)
     sums.add(torch.tensor(3.0), {"ratio": torch.tensor([0.5, 1.0]), "kl": torch.tensor(1.5)}, on_policy=False)
     sums.add(torch.tensor(float("inf")), {"ratio": torch.tensor([1.0, 1.0]), "kl": torch.tensor(1.0)}, on_policy=False)
     # Nothing was read back to the host: a float here would mean a sync per backward pass.
     assert all(isinstance(v, torch.Tensor) for v in sums.sums.values())
-    assert isinstance(sums.nonfinite, torch.Tensor) and isinstance(sums.ratio_max_dev, torch.Tensor)
+    assert isinstance(sums.nonfinite, torch.Tensor) and isinstance(sums.ratio_dev, torch.Tensor)
     stats = sums.reduce(torch.device("cpu"))
     assert stats.loss == math.inf and stats.nonfinite_loss == 1.0
     assert stats.kl == pytest.approx(1.0) and stats.ratio_mean == pytest.approx((1.125 + 0.75 + 1.0) / 3)
     assert stats.ratio_max_dev == 0.25  # the on-policy pass only; the off-policy 0.5 does not count
+    assert stats.extra == {"ratio_dev/t02_max": 0.25, "ratio_dev/t02_mean": 0.125}
+
+
+def test_the_ratio_deviation_is_kept_per_transition(one_process_group):
+    """Max and mean |ratio - 1| of the on-policy block per trained transition: the step's max is the largest of
+    them, transitions never trained on-policy are not logged."""
+    sums = LossSums(points=6)
+    for point, ratio in ((0, [1.0, 1.0]), (3, [1 + 2**-19, 1 - 2**-18]), (3, [1.0, 1 + 2**-20]), (5, [1.0, 1.0])):
+        sums.add(torch.tensor(0.0), {"ratio": torch.tensor(ratio)}, on_policy=True, point=point)
+    sums.add(torch.tensor(0.0), {"ratio": torch.tensor([3.0, 3.0])}, on_policy=False, point=1)
+    stats = sums.reduce(torch.device("cpu"))
+    logged = {k: v for k, v in stats.metrics().items() if k.startswith("ratio_dev/")}
+    assert set(logged) == {f"ratio_dev/t{j:02d}_{m}" for j in (0, 3, 5) for m in ("max", "mean")}
+    assert logged["ratio_dev/t03_max"] == 2**-18 == stats.ratio_max_dev  # dyadic: exact in float32
+    assert logged["ratio_dev/t03_mean"] == (2**-19 + 2**-18 + 2**-20) / 4
+    assert logged["ratio_dev/t00_max"] == logged["ratio_dev/t05_mean"] == 0.0
 
 
 def test_a_reduce_without_passes_reports_nothing_nonfinite(one_process_group):
