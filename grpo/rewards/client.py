@@ -1,23 +1,28 @@
 """HTTP of the rewards that a server scores (`remote`, `vlm_judge`): their shared options, requests with a timeout and
 retries, start-up probes, one-line errors.
 
-A request is retried after a connection error, a timeout, HTTP 429 or 5xx (a server starting, overloaded or
-restarting), with pauses of backoff, 2 x backoff, 4 x backoff ... seconds; any other HTTP error is the caller's
-mistake and is not retried. When every attempt failed, scoring raises ServiceError: one line naming the reward, the
-URL, the attempts and the last error. When the server stopped answering (no connection, no answer in time, 429,
-502-504) it is ServiceDown, a grpo.errors.DependencyDown: the run ends with that line, the fix, and exit 75 (retry
-later); its last checkpoint lets `checkpoint.resume=auto` continue once the server is back. Any other failure (a 4xx,
-a reward that fails on the server with 500) is a bug to fix, not to wait out, and fails like any other rank error.
+A request is retried (urllib3's Retry through a requests HTTPAdapter) after a connection error, a timeout, HTTP 429
+or 5xx (a server starting, overloaded or restarting), with pauses of backoff, 2 x backoff, 4 x backoff ... seconds;
+any other HTTP error is the caller's mistake and is not retried. When every attempt failed, scoring raises
+ServiceError: one line naming the reward, the URL, the attempts and the last error. When the server stopped answering
+(no connection, no answer in time, 429, 502-504) it is ServiceDown, a grpo.errors.DependencyDown: the run ends with
+that line, the fix, and exit 75 (retry later); its last checkpoint lets `checkpoint.resume=auto` continue once the
+server is back. Any other failure (a 4xx, a reward that fails on the server with 500) is a bug to fix, not to wait
+out, and fails like any other rank error.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import requests
+from requests.adapters import HTTPAdapter
+from urllib3.exceptions import NewConnectionError, ProxyError, ReadTimeoutError, SSLError
+from urllib3.exceptions import TimeoutError as NoAnswer
+from urllib3.util.retry import Retry
 
 from grpo.errors import ConfigError, DependencyDown
 from grpo.rewards.options import CommonOptions
@@ -51,6 +56,7 @@ class ServiceDown(ServiceError, DependencyDown):
 # Answers that mean "not now" rather than "not like this": an overloaded server, or a proxy before a server that is
 # down or restarting.
 _NOT_NOW = (429, 502, 503, 504)
+_RETRIED = (429, *range(500, 600))  # any other answer is the request's fault: the same request would fail again
 
 
 def answer_error(response: requests.Response) -> str:
@@ -60,16 +66,82 @@ def answer_error(response: requests.Response) -> str:
         body = response.json()
     except ValueError:
         body = response.text
+    return _error_line(response.status_code, body)
+
+
+def _error_line(status: int, body: Any) -> str:
     error = body.get("error", body) if isinstance(body, dict) else body
     text = str(error.get("message", error) if isinstance(error, dict) else error)
     lines = text.strip().splitlines()
-    return f"HTTP {response.status_code}" + (f": {lines[0][:300]}" if lines else "")
+    return f"HTTP {status}" + (f": {lines[0][:300]}" if lines else "")
+
+
+def _failure(error: Exception, timeout: float) -> str:
+    """A failed attempt's error as the lines name it: the timeout, else the requests exception urllib3's becomes."""
+    if isinstance(error, requests.RequestException):
+        reason = getattr(error.args[0], "reason", None) if error.args else None
+        # a read timeout on the last attempt reaches here as requests' ConnectionError of urllib3's MaxRetryError
+        if isinstance(error, requests.Timeout) or isinstance(reason, ReadTimeoutError):
+            return f"no answer within timeout {timeout:g} s"
+        return type(error).__name__
+    if isinstance(error, NoAnswer) and not isinstance(error, NewConnectionError):
+        return f"no answer within timeout {timeout:g} s"
+    return "SSLError" if isinstance(error, SSLError) else "ProxyError" if isinstance(error, ProxyError) \
+        else "ConnectionError"
 
 
 def _check_url(url: str, setting_name: str) -> str:
     if not url.startswith(("http://", "https://")):
         raise ConfigError(f"{setting_name}.url: {url!r} is not an http(s) URL; e.g. http://10.0.0.5:8000")
     return url.rstrip("/")
+
+
+class _Retry(Retry):
+    """urllib3's Retry for one request of a Service, with this module's pauses and log line.
+
+    Pauses are backoff, 2 x backoff, 4 x backoff ... from the first retry on (urllib3's formula pauses 0 s before the
+    first one and caps at 120 s); each retry logs one warning naming the reward, the URL and the error. `failures`,
+    one list shared by the copies that urllib3 makes per attempt, holds the retried attempts' errors.
+    """
+
+    def __init__(self, *args: Any, service: Service, url: str, failures: list[str] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.service, self.url = service, url
+        self.failures = [] if failures is None else failures
+
+    def new(self, **kw: Any) -> _Retry:
+        return super().new(service=self.service, url=self.url, failures=self.failures, **kw)
+
+    def get_backoff_time(self) -> float:
+        return self.backoff_factor * 2 ** (len(self.history) - 1)
+
+    def increment(self, method: str | None = None, url: str | None = None, response: Any = None,
+                  error: Exception | None = None, _pool: Any = None, _stacktrace: Any = None) -> _Retry:
+        new = super().increment(method, url, response, error, _pool, _stacktrace)  # MaxRetryError after the last
+        service = self.service
+        if response is not None:  # read only when retrying: the last answer's body is the caller's
+            data = response.read(decode_content=True, cache_content=True)
+            try:
+                body = json.loads(data)
+            except ValueError:
+                body = data.decode("utf-8", "replace")
+            self.failures.append(_error_line(response.status, body))
+        else:
+            self.failures.append(_failure(error, service.timeout))
+        logger.warning("%s: %s failed (%s); retry %d/%d in %.1f s", service.setting, self.url, self.failures[-1],
+                       len(self.failures), service.retries, new.get_backoff_time())
+        return new
+
+
+class _OwnLine(logging.Filter):
+    """Drops urllib3's "Retrying ..." warning for a _Retry: it logs its own line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.args, tuple) and record.args and isinstance(record.args[0], _Retry))
+
+
+logging.getLogger("urllib3.connectionpool").addFilter(_OwnLine())
 
 
 class Service:
@@ -115,28 +187,24 @@ class Service:
             raise ConfigError(f"{self.setting}.url: {url} did not answer JSON; is {what} running there?") from None
 
     def post(self, path: str, **kwargs: Any) -> requests.Response:
-        """POST with retries; the successful response, or ServiceError after the last attempt."""
+        """POST with retries (see _Retry); the successful response, or ServiceError after the last attempt."""
         url = self.url + path
-        last, down = "", False
-        for attempt in range(self.retries + 1):
-            if attempt:
-                pause = self.backoff * 2 ** (attempt - 1)
-                logger.warning("%s: %s failed (%s); retry %d/%d in %.1f s", self.setting, url, last, attempt,
-                               self.retries, pause)
-                time.sleep(pause)
+        retry = _Retry(total=self.retries, allowed_methods=None, status_forcelist=_RETRIED, backoff_factor=self.backoff,
+                       raise_on_status=False, respect_retry_after_header=False, service=self, url=url)
+        # A session per request, as requests.post opens one: no kept-alive connection that the server closed since
+        # (a retry with no outage), and nothing shared by the judge's threads.
+        with requests.Session() as session:
+            for scheme in ("http://", "https://"):
+                session.mount(scheme, HTTPAdapter(max_retries=retry))
             try:
-                response = requests.post(url, headers=self.headers, timeout=self.timeout, **kwargs)
-            except requests.Timeout:
-                last, down = f"no answer within timeout {self.timeout:g} s", True
-                continue
+                response = session.post(url, headers=self.headers, timeout=self.timeout, **kwargs)
             except requests.RequestException as err:
-                last, down = type(err).__name__, True
-                continue
-            if response.status_code == 200:
-                return response
-            last, down = answer_error(response), response.status_code in _NOT_NOW
-            if response.status_code != 429 and response.status_code < 500:
-                break  # the request itself is wrong: the same request would fail again
+                last, down = _failure(err, self.timeout), True
+            else:
+                if response.status_code == 200:
+                    return response
+                last, down = answer_error(response), response.status_code in _NOT_NOW
+        attempt = len(retry.failures)
         attempts = f"{attempt + 1} attempt{'s' if attempt else ''}"
         if down:
             raise ServiceDown(f"{self.setting}: {url} failed after {attempts}: {last}; the server stopped answering: "
