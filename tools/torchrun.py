@@ -23,7 +23,8 @@ import os
 import signal
 import sys
 import threading
-from pathlib import Path
+
+import psutil
 
 GRACE_ENV, GRACE_DEFAULT_S = "GRACE_S", 600.0
 # The exit codes the recipe gives meaning to (recipes/flux_grpo.py, grpo/errors.py); every other failure becomes 1.
@@ -33,18 +34,10 @@ PASSED_ON = (2, 3, 75)
 def children(pid: int | None = None) -> list[int]:
     """The pids whose parent is `pid` (this process by default): torchrun's workers, which it starts in their own
     sessions, so a signal to this process group does not reach them."""
-    pid = os.getpid() if pid is None else pid
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path("/proc", entry, "stat").read_text()
-        except OSError:  # exited meanwhile
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4, after the "(comm)" that may hold spaces
-            found.append(int(entry))
-    return found
+    try:
+        return [child.pid for child in psutil.Process(pid).children()]  # skips those that exit meanwhile
+    except psutil.NoSuchProcess:
+        return []
 
 
 class Forwarder:

@@ -1,9 +1,10 @@
 """tools/torchrun.py, the launchers' torchrun: the workers' exit code passed on, stop signals passed to the workers and
 waited for (GRACE_S), with stand-in workers (a few seconds each; the recipe itself:
-tests/recipe/test_bad_input_launch.py). Its pieces in-process: tests/unit/test_torchrun.py."""
+tests/recipe/test_bad_input_launch.py); the processes it signals. Its pieces in-process: tests/unit/test_torchrun.py."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 
 from tests import ROOT
 from tools.launch import free_port, launch_env
+from tools.torchrun import children
 
 # A stand-in worker: its mode is the last argument's last path part (exit2, exit3, save, stuck; under launch/*.sh the
 # output_dir=... override, which is all the recipe's command line carries through to every node).
@@ -90,3 +92,24 @@ def test_workers_still_running_after_the_grace_period_are_killed(tmp_path):
     assert proc.returncode == 1, err
     assert time.monotonic() - start < 60
     assert "still running 1s after the stop signal: killed" in err and "Traceback" not in err
+
+
+def test_children_are_the_direct_children_still_running():
+    """The workers the signals go to: this process's children, not their own children; gone once reaped."""
+    nested = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); " \
+             "time.sleep(60)"
+    parent, done = (subprocess.Popen([sys.executable, "-c", code]) for code in (nested, "pass"))
+    try:
+        done.wait()
+        deadline = time.monotonic() + 30
+        while not (below := children(parent.pid)):
+            assert time.monotonic() < deadline, "the grandchild did not start"
+            time.sleep(0.05)
+        assert len(below) == 1
+        mine = children()
+        assert parent.pid in mine and done.pid not in mine and below[0] not in mine  # direct and running only
+        assert children(2 ** 22 + 1) == []  # above Linux's largest pid: no such process
+    finally:
+        for pid in children(parent.pid) + [parent.pid]:
+            os.kill(pid, signal.SIGKILL)
+        parent.wait()
