@@ -252,7 +252,10 @@ class _DuplicateKey(Exception):
 
 class _Loader(yaml.SafeLoader):
     """SafeLoader that refuses duplicate keys (PyYAML keeps the last silently) and reads 1e-4 as a number (YAML 1.1
-    wants a dot: 1.0e-4), so a preset means what it looks like."""
+    wants a dot: 1.0e-4), so a preset means what it looks like.
+
+    Not ruamel.yaml: its YAML 1.2 reads yes/no/on/off as text, 010 as 10; its duplicate-key error lacks the first line.
+    """
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}

@@ -1,5 +1,8 @@
 """Layering of the runtime library: no import cycle among grpo/ modules (lazy imports in functions count too), and
-grpo/ never imports the edge packages (tools/, recipes/, benchmarks/, tests/), which import it."""
+grpo/ never imports the edge packages (tools/, recipes/, benchmarks/, tests/), which import it.
+
+Not import-linter 2.16: it needs Python >= 3.11 (this project: 3.10) and grimp, and checks package-level cycles.
+"""
 
 from __future__ import annotations
 
