@@ -7,8 +7,9 @@ any other HTTP error is the caller's mistake and is not retried. When every atte
 ServiceError: one line naming the reward, the URL, the attempts and the last error. When the server stopped answering
 (no connection, no answer in time, 429, 502-504) it is ServiceDown, a grpo.errors.DependencyDown: the run ends with
 that line, the fix, and exit 75 (retry later); its last checkpoint lets `checkpoint.resume=auto` continue once the
-server is back. Any other failure (a 4xx, a reward that fails on the server with 500) is a bug to fix, not to wait
-out, and fails like any other rank error.
+server is back. Any other failure (a 4xx, a reward that fails on the server with 500, an answer that is not one) is a
+bug to fix, not to wait out: the same one line (a grpo.errors.OutsideFailure, whose traceback goes to
+output_dir/logs/) and exit 1.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from urllib3.exceptions import NewConnectionError, ProxyError, ReadTimeoutError,
 from urllib3.exceptions import TimeoutError as NoAnswer
 from urllib3.util.retry import Retry
 
-from grpo.errors import ConfigError, DependencyDown
+from grpo.errors import ConfigError, DependencyDown, OutsideFailure
 from grpo.rewards.options import CommonOptions
 from grpo.schema import setting
 
@@ -45,8 +46,9 @@ class ServiceOptions(CommonOptions):
     backoff: float = setting(1.0, help="seconds before the first retry; doubles for each further one")
 
 
-class ServiceError(RuntimeError):
-    """A served reward got no usable answer after every attempt (one line)."""
+class ServiceError(OutsideFailure):
+    """A served reward got no usable answer after every attempt (one line; the run ends with it and exit 1, the
+    traceback in output_dir/logs/)."""
 
 
 class ServiceDown(ServiceError, DependencyDown):

@@ -160,7 +160,8 @@ class VLMJudgeReward(Reward):
         if value is None or not low <= value <= high:
             raise MalformedAnswer(f"{self.setting}: the judge answered {answer[:200]!r}, expected a whole answer "
                                   f"matching {self.pattern.pattern!r} with a score in [{low:g}, {high:g}]; make "
-                                  f"{self.setting}.template ask for that format, or change {self.setting}.answer")
+                                  f"{self.setting}.template ask for that format, change {self.setting}.answer, or "
+                                  f"set {self.setting}.on_malformed: nan to skip the groups of such images")
         return value
 
     def score(self, images: Tensor, prompts: list[str]) -> Tensor:

@@ -8,6 +8,7 @@ complete checkpoint usable. A refused start leaves output_dir as it was, to its 
   to the uninterrupted run's rows (the held-out evals included, the failed one done again) and LoRA.
 - A full disk (a 3 MiB tmpfs, a checkpoint every step, keep 1): step 2's checkpoint does not fit; exit 1 with one
   line naming the folder, step 1's checkpoint kept, verified, and the only one resume can pick.
+- A VLM judge that keeps answering out of format: exit 1, one line naming the answer and the fixes.
 - A refused resume (every checkpoint of output_dir damaged, found only by the ranks' hashes) leaves output_dir
   byte-identical, its own mtime included: the checks run before output_dir/.lock is taken.
 """
@@ -28,6 +29,7 @@ from tests import ROOT, snapshot
 from tests.recipe.launch import (Run, metrics_rows, one_error_line, run_script, script_env, tiny_run, train_rows,
                                  wait_for_step)
 from tests.recipe.test_remote_reward import _wait_healthy
+from tests.recipe.test_rewards_vlm_judge import judge_url  # noqa: F401 -- the judge server, a fixture
 from tools.launch import free_port, launch_env
 
 LORA = str(ROOT / "recipes" / "configs" / "tiny" / "grpo_lora.yaml")
@@ -109,6 +111,25 @@ def test_a_reward_server_that_stops_answering_ends_with_75_and_resumes_exactly(t
     assert evals[1] == evals[0] and [s for s, _ in evals[0]] == [0, 2, 3]  # each once, the failed one done again
     la, lb = (load_file(str(next((d / "final" / "lora").glob("*.safetensors")))) for d in (whole, cut))
     assert la.keys() == lb.keys() and all((la[k] == lb[k]).all() for k in la)
+
+
+@pytest.mark.slow
+def test_a_judge_that_answers_out_of_format_ends_with_one_line(tmp_path, judge_url):
+    """A VLM judge (tests/recipe/judge_server.py) whose template makes it ramble instead of answering "Score: S":
+    exit 1, one line with the answer, the expected format and the fixes, the traceback in output_dir/logs/."""
+    judge = {"vlm_judge": {"url": judge_url, "model": "tiny-judge", "retries": 0,
+                           "template": "Rate how well this shows {prompt}, and ramble."}}
+    out = tmp_path / "run"
+    args = [*tiny_run(tmp_path), "max_steps=2", "data.eval_prompts=null", "logging.sample_every=0",
+            "logging.tensorboard=false", f"output_dir={out}", f"data.cache_dir={tmp_path / 'cache'}",
+            "rewards=" + json.dumps(judge)]
+    proc = run_script("run.sh", [LORA, *args], extra_env={"NPROC": "2", "MASTER_PORT": str(free_port())}, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    line = one_error_line(proc.stderr)
+    assert line.startswith("error: rewards.vlm_judge: the judge answered 'What a lovely picture, I would give it a "
+                           "high mark.', expected a whole answer matching"), line
+    assert "rewards.vlm_judge.on_malformed: nan" in line and f"(traceback: {out / 'logs' / 'error_rank0.txt'})" in line
+    assert train_rows(out) == []
 
 
 def _stat(path):
