@@ -3,7 +3,10 @@ SGLang's `/v1/chat/completions`) rates each image against its prompt, as the VLM
 Flow-GRPO (UnifiedReward, Qwen-VL scorers) do.
 
 One request per image: a user message holding the image as a base64 PNG data URL (its uint8 levels, lossless) and
-the `template` text with {prompt} replaced by the image's prompt, after an optional `system` message; greedy
+the `template` text with {prompt} replaced by the image's prompt and any other {field} by that field of the sample's
+dataset row (grpo/prompt_sets.py: e.g. an edit's target or an OCR reward's text; checked on every row at start-up),
+after an optional `system` message. A row's `image`/`images` (an edit's source, reference images) go first, before
+the image to rate, unless `source_images` is false, so an editing judge sees what was asked to be changed; greedy
 decoding (temperature 0) by default so a rating is reproducible. `concurrency` requests are in flight per rank, and
 the server batches them. The answer must match `answer` as a whole (a regular expression; surrounding whitespace
 ignored) with its first group a number in [min_score, max_score]; that number is the score. Anything else is a
@@ -15,10 +18,12 @@ would otherwise train on noise); `on_malformed: nan` scores it NaN instead, and 
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import logging
 import os
 import re
+import string
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +34,7 @@ from torch import Tensor
 
 from grpo.errors import ConfigError
 from grpo.rewards.base import Reward, to_uint8
+from grpo.prompt_sets import IMAGE_FIELDS
 from grpo.rewards.client import Service, ServiceError, ServiceOptions
 from grpo.schema import setting
 
@@ -47,7 +53,10 @@ DEFAULT_TEMPLATE = (
 class VLMJudgeOptions(ServiceOptions):
     url: str = setting(help="OpenAI-compatible base URL ending in /v1, e.g. http://10.0.0.5:8000/v1 (vLLM, SGLang)")
     model: str = setting(help="the served model's id (GET <url>/models), e.g. Qwen/Qwen2.5-VL-7B-Instruct")
-    template: str = setting(DEFAULT_TEMPLATE, help="user message after the image; {prompt} = the image's prompt")
+    template: str = setting(DEFAULT_TEMPLATE, help="user message after the image; {prompt} = the image's prompt, "
+                                                   "{field} = that field of its dataset row")
+    source_images: bool = setting(True, help="send the row's image/images (an edit's source, references) before the "
+                                             "image to rate")
     system: str | None = setting(None, help="system message (null = none)")
     answer: str = setting(r"Score: (-?\d+(?:\.\d+)?)",
                           help="regular expression the whole answer must match; its first group is the score")
@@ -74,6 +83,37 @@ def png_data_url(image: np.ndarray) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
+@functools.lru_cache(maxsize=256)
+def file_data_url(path: str) -> str:
+    """A dataset's image file as a PNG data URL of its RGB pixels (cached: a group's samples share their source)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return png_data_url(np.asarray(image.convert("RGB")))
+
+
+def source_paths(metadata: dict) -> list[str]:
+    """A row's image paths (grpo/prompt_sets.py made them absolute): `image`, then `images`."""
+    found = []
+    for field in IMAGE_FIELDS:
+        value = metadata.get(field)
+        found += [value] if isinstance(value, str) else list(value or [])
+    return found
+
+
+def template_fields(template: str) -> list[str]:
+    """The field names a template's braces hold ({prompt}, {target}, ...), each once; ValueError for braces that a
+    row cannot fill (positional {}, attribute or index access, an unmatched brace)."""
+    fields = []
+    for _, name, _, _ in string.Formatter().parse(template):
+        if name is None:
+            continue
+        if not name.isidentifier():
+            raise ValueError(f"{{{name}}} is not a field name")
+        fields.append(name)
+    return list(dict.fromkeys(fields))
+
+
 def _api_key(options: dict[str, Any], setting_name: str) -> dict[str, str]:
     name = options["api_key_env"]
     if name is None:
@@ -94,13 +134,13 @@ class VLMJudgeReward(Reward):
     @classmethod
     def validate(cls, options: dict[str, Any], setting: str) -> None:
         Service.check(options, setting)
-        if "{prompt}" not in options["template"]:
-            raise ConfigError(f"{setting}.template: no {{prompt}} placeholder; the judge must see the prompt")
         try:
-            options["template"].format(prompt="")
-        except (KeyError, IndexError, ValueError) as err:
-            raise ConfigError(f"{setting}.template: only {{prompt}} may be in braces ({type(err).__name__}: {err}); "
+            fields = template_fields(options["template"])
+        except ValueError as err:
+            raise ConfigError(f"{setting}.template: {err}; name a field in braces, e.g. {{prompt}} or {{target}}, and "
                               f"write literal braces as {{{{ and }}}}") from None
+        if "prompt" not in fields:
+            raise ConfigError(f"{setting}.template: no {{prompt}} placeholder; the judge must see the prompt")
         try:
             groups = re.compile(options["answer"]).groups
         except re.error as err:
@@ -124,25 +164,36 @@ class VLMJudgeReward(Reward):
             raise ConfigError(f"{setting}.model: {options['url']} serves {', '.join(map(str, ids)) or 'no model'}, "
                               f"not {options['model']!r}; use its id")
 
+    @classmethod
+    def check_metadata(cls, metadata: dict, options: dict[str, Any]) -> None:
+        missing = [f for f in template_fields(options["template"]) if f != "prompt" and metadata.get(f) is None]
+        if missing:
+            raise ValueError(f"has no {', '.join(map(repr, missing))} (template fields)")
+
     def __init__(self, name: str, device: torch.device, options: dict[str, Any]) -> None:
         super().__init__(name, options["batch_size"])
         self.setting = f"rewards.{name}"
         self.service = Service(options, self.setting, _api_key(options, self.setting))
         self.options = options
         self.pattern = re.compile(options["answer"])
+        self.fields = template_fields(options["template"])
 
-    def messages(self, image: np.ndarray, prompt: str) -> list[dict[str, Any]]:
-        """The chat of one image: [system], user (image, then the template text)."""
+    def messages(self, image: np.ndarray, prompt: str, metadata: dict | None = None) -> list[dict[str, Any]]:
+        """The chat of one image: [system], user (the row's source images, the image, then the template text)."""
+        metadata = metadata or {}
+        values = {f: metadata.get(f) for f in self.fields if f != "prompt"}
+        sources = source_paths(metadata) if self.options["source_images"] else []
         user = {"role": "user", "content": [
+            *({"type": "image_url", "image_url": {"url": file_data_url(path)}} for path in sources),
             {"type": "image_url", "image_url": {"url": png_data_url(image)}},
-            {"type": "text", "text": self.options["template"].format(prompt=prompt)},
+            {"type": "text", "text": self.options["template"].format(**values, prompt=prompt)},
         ]}
         system = self.options["system"]
         return ([{"role": "system", "content": system}] if system is not None else []) + [user]
 
-    def ask(self, image: np.ndarray, prompt: str) -> str:
+    def ask(self, image: np.ndarray, prompt: str, metadata: dict | None = None) -> str:
         """The judge's answer text for one image."""
-        body = {"model": self.options["model"], "messages": self.messages(image, prompt),
+        body = {"model": self.options["model"], "messages": self.messages(image, prompt, metadata),
                 "max_tokens": self.options["max_tokens"], "temperature": self.options["temperature"]}
         response = self.service.post("/chat/completions", json=body)
         try:
@@ -164,10 +215,10 @@ class VLMJudgeReward(Reward):
                                   f"set {self.setting}.on_malformed: nan to skip the groups of such images")
         return value
 
-    def score(self, images: Tensor, prompts: list[str]) -> Tensor:
+    def score_samples(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
         pixels = to_uint8(images).permute(0, 2, 3, 1).cpu().numpy()
         with ThreadPoolExecutor(min(self.options["concurrency"], len(prompts))) as pool:
-            answers = list(pool.map(self.ask, pixels, prompts))
+            answers = list(pool.map(self.ask, pixels, prompts, metadata))
         scores = []
         for answer in answers:
             try:

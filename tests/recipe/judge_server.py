@@ -8,7 +8,9 @@ The request must look like what vLLM accepts for a vision model (model id, messa
 data URL image_url part and one text part, max_tokens, temperature); anything else is HTTP 400 with an OpenAI-style
 error. The answer (see `rating`): "Score: S" with S = 10 x the mean of the image channel named by the first colour
 word of the text (red, green or blue), 2 decimals, so it checks the image's pixels, its channel order and that the
-prompt reached the text; a text containing "ramble" gets a sentence instead of the format.
+prompt reached the text; with several images (an edit's source first, the image to rate last) S is 10 x the mean
+absolute difference of that channel between the first and the last; a text containing "ramble" gets a sentence
+instead of the format.
 """
 
 from __future__ import annotations
@@ -27,17 +29,20 @@ MODEL = "tiny-judge"
 CHANNELS = {"red": 0, "green": 1, "blue": 2}
 
 
-def rating(pixels: np.ndarray, text: str) -> str:
-    """The judge's answer for uint8 [H, W, 3] pixels and the user text."""
+def rating(images: list[np.ndarray], text: str) -> str:
+    """The judge's answer for the uint8 [H, W, 3] images of a request (the one to rate last) and the user text."""
     if "ramble" in text:
         return "What a lovely picture, I would give it a high mark."
     colour = re.search(r"\b(red|green|blue)\b", text)
     channel = CHANNELS[colour.group(1)] if colour else 0
-    return f"Score: {10 * pixels[..., channel].mean() / 255:.2f}"
+    last = images[-1][..., channel].astype(np.float64)
+    if len(images) > 1:
+        return f"Score: {10 * np.abs(last - images[0][..., channel]).mean() / 255:.2f}"
+    return f"Score: {10 * last.mean() / 255:.2f}"
 
 
-def _parse(body: dict) -> tuple[np.ndarray, str]:
-    """(pixels, user text) of a chat request; ValueError naming what is wrong."""
+def _parse(body: dict) -> tuple[list[np.ndarray], str]:
+    """(images, user text) of a chat request; ValueError naming what is wrong."""
     if body.get("model") != MODEL:
         raise ValueError(f"The model `{body.get('model')}` does not exist.")
     if not isinstance(body.get("max_tokens"), int) or not isinstance(body.get("temperature"), (int, float)):
@@ -45,12 +50,13 @@ def _parse(body: dict) -> tuple[np.ndarray, str]:
     users = [m for m in body.get("messages", []) if m.get("role") == "user"]
     if len(users) != 1 or not isinstance(users[0].get("content"), list):
         raise ValueError("expected one user message with a list of content parts")
-    parts = {p.get("type"): p for p in users[0]["content"]}
-    url = parts.get("image_url", {}).get("image_url", {}).get("url", "")
-    if "text" not in parts or not url.startswith("data:image/png;base64,"):
-        raise ValueError("expected an image_url part (PNG data URL) and a text part")
-    pixels = np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB"))
-    return pixels, parts["text"]["text"]
+    parts = users[0]["content"]
+    urls = [p.get("image_url", {}).get("url", "") for p in parts if p.get("type") == "image_url"]
+    texts = [p.get("text") for p in parts if p.get("type") == "text"]
+    if len(texts) != 1 or not urls or not all(u.startswith("data:image/png;base64,") for u in urls):
+        raise ValueError("expected image_url parts (PNG data URLs) and one text part")
+    images = [np.asarray(Image.open(io.BytesIO(base64.b64decode(u.split(",", 1)[1]))).convert("RGB")) for u in urls]
+    return images, texts[0]
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -72,10 +78,10 @@ class Handler(BaseHTTPRequestHandler):
         if self.path != "/v1/chat/completions":
             return self._send(404, {"error": {"message": f"no route {self.path}", "type": "NotFoundError"}})
         try:
-            pixels, text = _parse(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            images, text = _parse(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
         except (ValueError, KeyError, OSError) as err:
             return self._send(400, {"error": {"message": str(err), "type": "BadRequestError", "code": 400}})
-        answer = rating(pixels, text)
+        answer = rating(images, text)
         self._send(200, {"id": "chatcmpl-0", "object": "chat.completion", "model": MODEL, "choices": [
             {"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}]})
 

@@ -87,7 +87,8 @@ def test_start_up_checks_and_request_errors(judge_url, monkeypatch) -> None:
     with pytest.raises(ConfigError, match=rf"^rewards\.vlm_judge\.url: no answer from {down}/models"):
         check_rewards(_judge(down))
     bad = [({"template": "Rate it."}, r"template: no \{prompt\} placeholder"),
-           ({"template": "{prompt} as {json}"}, r"template: only \{prompt\} may be in braces"),
+           ({"template": "{prompt} as {0}"}, r"template: \{0\} is not a field name; name a field in braces"),
+           ({"template": "{prompt} as {"}, r"template: Single '\{' encountered"),
            ({"answer": "Score: \\d+"}, r"answer: needs a group"),
            ({"answer": "Score: (\\d+"}, r"answer: not a regular expression"),
            ({"min_score": 5.0, "max_score": 1.0}, r"min_score: 5.0 must be below max_score 1.0"),
@@ -103,3 +104,36 @@ def test_start_up_checks_and_request_errors(judge_url, monkeypatch) -> None:
     with pytest.raises(ServiceError, match=r"^rewards\.vlm_judge: .*/chat/completions failed after 1 attempt: HTTP "
                                            r"400: The model `other` does not exist\.$"):
         reward(images(1, 8, 8), ["a red circle"])
+
+
+def test_dataset_fields_and_source_images_reach_the_judge(judge_url, tmp_path) -> None:
+    """A template field is filled from each sample's dataset row (here it picks the channel the judge rates), and a
+    row's source image goes before the image to rate (the fixture judge then rates their difference)."""
+    from PIL import Image
+
+    from grpo.prompt_sets import PromptSet
+    from grpo.rewards.registry import check_reward_metadata
+
+    sources, x = images(2, 16, 16, seed=6), images(2, 16, 16, seed=7)
+    u8 = lambda t: (t * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()  # noqa: E731
+    paths = []
+    for i, pixels in enumerate(u8(sources)):
+        paths.append(str(tmp_path / f"source{i}.png"))
+        Image.fromarray(pixels).save(paths[-1])
+    rows = [{"image": paths[0], "target": "green"}, {"image": paths[1], "target": "blue"}]
+    prompts = ["make the cat red", "make the sky red"]  # "red" in the prompt: the field's colour comes first
+    spec = _judge(judge_url, template="Is it {target} now? The edit was: {prompt}")
+    got = build_rewards(spec, "cpu")["vlm_judge"](x, prompts, rows)
+    change = [np.abs(u8(x)[i][..., c].astype(float) - u8(sources)[i][..., c]).mean() for i, c in enumerate((1, 2))]
+    moved = torch.tensor([float(f"{10 * d / 255:.2f}") for d in change])
+    torch.testing.assert_close(got, moved, atol=0, rtol=0)
+    assert got[0] != _expected(x[:1], [1])[0]
+    alone = build_rewards({"vlm_judge": {**spec["vlm_judge"], "source_images": False}}, "cpu")["vlm_judge"]
+    torch.testing.assert_close(alone(x, prompts, rows), _expected(x, [1, 2]), atol=0, rtol=0)
+    # Start-up: every row must carry the template's fields.
+    check_reward_metadata(spec, PromptSet(prompts, rows, ["line 1", "line 2"]), "data.train_prompts", "edits.jsonl")
+    with pytest.raises(ConfigError, match=r"^data\.train_prompts: edits\.jsonl line 2 has no 'target' \(template "
+                                          r"fields\), which rewards\.vlm_judge reads"):
+        check_reward_metadata(spec, PromptSet(prompts, [rows[0], {"image": paths[1]}], ["line 1", "line 2"]),
+                              "data.train_prompts", "edits.jsonl")
+
