@@ -130,13 +130,17 @@ def check_guidance(model_path: str, guidance: float) -> None:
                           "samples without classifier-free guidance; set sampling.guidance=1.0")
 
 
-def check_prompt_sets(cfg: RecipeConfig) -> None:
-    """The train and eval datasets read and checked row by row (grpo/prompt_sets.py), and their rows' metadata
-    against what the rewards read (after check_rewards, which validates the rewards' options)."""
+def check_prompt_sets(cfg: RecipeConfig, model_path: str) -> None:
+    """The train and eval datasets read and checked row by row (grpo/prompt_sets.py), their rows' metadata against
+    what the rewards read (after check_rewards, which validates the rewards' options), and their images against what
+    the model folder's family takes (a source image a row for FLUX.1-Kontext, none for text to image)."""
+    family = family_of(model_path)
     sources = {"data.train_prompts": cfg.data.train_prompts, "data.eval_prompts": cfg.data.eval_prompts}
     for setting, source in sources.items():
         if source:
-            check_reward_metadata(cfg.rewards, prompts.read_prompt_set(source, setting), setting, source)
+            rows = prompts.read_prompt_set(source, setting)
+            check_reward_metadata(cfg.rewards, rows, setting, source)
+            family.check_references(rows, setting, source, model_path)
 
 
 def check_output_dir(path: str) -> None:
@@ -176,7 +180,7 @@ def check_inputs(cfg: RecipeConfig, world_size: int) -> Inputs:
         check_lora_targets_on_config(model_path, cfg.lora.target_modules)
     check_guidance(model_path, cfg.sampling.guidance)
     check_rewards(cfg.rewards)
-    check_prompt_sets(cfg)
+    check_prompt_sets(cfg, model_path)
     metrics.check_wandb(cfg.logging.wandb)
     check_output_dir(cfg.output_dir)
     if not dist.is_initialized():  # the recipe's ranks: rank 0 takes the lock next (grpo/lock.py take), or fails alike

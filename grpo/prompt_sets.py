@@ -30,7 +30,7 @@ from typing import Any
 
 from grpo.errors import ConfigError
 
-__all__ = ["PromptSet", "read_prompt_set", "read_prompt_file", "IMAGE_FIELDS"]
+__all__ = ["PromptSet", "read_prompt_set", "read_prompt_file", "row_images", "IMAGE_FIELDS"]
 
 IMAGE_FIELDS = ("image", "images")  # reference images of a row: paths, checked and made absolute
 FORMATS = "a text file (one prompt per line), a .jsonl or .parquet file, a datasets save_to_disk folder or a hub id"
@@ -49,6 +49,16 @@ class PromptSet:
 
 
 Row = tuple[str, Any]  # (where, the parsed record)
+
+
+def row_images(metadata: dict[str, Any]) -> list[str]:
+    """The absolute image paths of a row's metadata: its "image" then its "images" (the reference or source images
+    an image-conditioned family encodes, grpo/references.py)."""
+    out: list[str] = []
+    for field in IMAGE_FIELDS:
+        value = metadata.get(field)
+        out += [] if value is None else value if isinstance(value, list) else [value]
+    return out
 
 
 def read_prompt_file(path: str | Path, setting: str = "data.train_prompts") -> list[str]:

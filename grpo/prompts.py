@@ -26,9 +26,10 @@ from grpo.device import accelerator, resolve_dtype
 from grpo.models import family_of
 from grpo.models.base import Placement
 from grpo.prompt_sets import PromptSet, read_prompt_file, read_prompt_set
+from grpo.references import ensure_references, load_references
 
 __all__ = ["PromptCache", "PromptSet", "read_prompt_file", "read_prompt_set", "cache_file", "encode", "save_cache",
-           "load_cache", "ensure_cache"]
+           "load_cache", "ensure_cache", "ensure_references"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,10 @@ class PromptCache:
     embeds: dict[str, torch.Tensor]
     # Row i's dataset fields other than its prompt (grpo/prompt_sets.py), handed to the rewards with prompt i
     metadata: list[dict] = field(default_factory=list)
+    # The distinct source images' packed latents [U, Sr, C] and each prompt's k rows of them [P, k]
+    # (grpo/references.py); None for a dataset without images
+    references: torch.Tensor | None = None
+    reference_index: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not self.metadata:
@@ -68,7 +73,12 @@ class PromptCache:
         return len(self.prompts)
 
     def rows(self, idx: list[int]) -> dict[str, torch.Tensor]:
-        return {k: v[idx] for k, v in self.embeds.items()}
+        """The embeddings of prompts `idx`, and their images' latents as "ref_latents" [B, k Sr, C] (a row's k images
+        one after the other) when the dataset has images: a group's G samples of one prompt share them, by index."""
+        out = {k: v[idx] for k, v in self.embeds.items()}
+        if self.references is not None:
+            out["ref_latents"] = self.references[self.reference_index[idx]].flatten(1, 2)
+        return out
 
 
 def encode(model_path: str, prompts: list[str], max_sequence_length: int, device: torch.device,
@@ -102,15 +112,19 @@ def save_cache(cache: PromptCache, path: str | Path) -> None:
     tmp.replace(path)  # atomic: a reader never sees half a cache
 
 
-def load_cache(path: str | Path, rows: PromptSet | None = None) -> PromptCache:
-    """The cache at `path`, with the metadata of `rows` (the dataset it was encoded from) when given."""
+def load_cache(path: str | Path, rows: PromptSet | None = None, references: str | Path | None = None) -> PromptCache:
+    """The cache at `path`, with the metadata of `rows` (the dataset it was encoded from) when given, and the source
+    images' latents of the reference cache `references` (grpo.references.ensure_references; None: no images)."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
         prompts = json.loads(f.metadata()["prompts"])
     if rows is not None and rows.prompts != prompts:  # the cache name hashes the prompts: only a bug gets here
         raise RuntimeError(f"{path} holds other prompts than the dataset it is loaded for")
-    return PromptCache(prompts, load_file(str(path)), rows.metadata if rows is not None else [])
+    cache = PromptCache(prompts, load_file(str(path)), rows.metadata if rows is not None else [])
+    if references is not None:
+        cache.references, cache.reference_index = load_references(references, rows)
+    return cache
 
 
 def ensure_cache(model_path: str, prompt_file: str, setting: str, data: DataConfig, device: torch.device,

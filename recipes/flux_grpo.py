@@ -85,7 +85,7 @@ from grpo.loading import transformer_loader
 from grpo.loss import poison_nonfinite
 from grpo.metrics import MetricsLogger, progress, save_grid
 from grpo.profiling import PhaseClock, StepProfiler
-from grpo.prompts import ensure_cache, load_cache, read_prompt_set
+from grpo.prompts import ensure_cache, ensure_references, load_cache, read_prompt_set
 from grpo.objectives import Models
 from grpo.rewards import build_rewards, finite_check, mix
 from grpo.rollout import FluxSampler
@@ -171,8 +171,9 @@ class FluxGRPORecipe:
         self.profiler = StepProfiler.from_config(cfg, self.out, self.rank, self.device)  # profile.steps; no-op if []
 
     def _setup_data(self) -> None:
-        """Rank 0 encodes missing prompt caches (text encoders freed right after); every rank then reads them."""
-        d = self.cfg.data
+        """Rank 0 encodes missing prompt caches (text encoders freed right after) and source-image caches (the VAE
+        alone); every rank then reads them."""
+        d, resolution = self.cfg.data, self.cfg.sampling.resolution
         files = {"train": (d.train_prompts, "data.train_prompts")}
         if d.eval_prompts:
             files["eval"] = (d.eval_prompts, "data.eval_prompts")
@@ -181,8 +182,11 @@ class FluxGRPORecipe:
             rows = read_prompt_set(prompt_file, setting)  # prompts and each row's metadata, read fresh every start
             if self.rank == 0:
                 ensure_cache(self.model_path, prompt_file, setting, d, self.device, rows)
+                ensure_references(self.model_path, prompt_file, rows, d.cache_dir, resolution, self.device)
             dist.barrier()
-            caches[name] = load_cache(ensure_cache(self.model_path, prompt_file, setting, d, self.device, rows), rows)
+            caches[name] = load_cache(ensure_cache(self.model_path, prompt_file, setting, d, self.device, rows), rows,
+                                      ensure_references(self.model_path, prompt_file, rows, d.cache_dir, resolution,
+                                                        self.device))
         self.train_prompts = caches["train"]
         self.eval_prompts = caches.get("eval")
 

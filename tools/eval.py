@@ -30,7 +30,7 @@ from grpo.inputs import load_ds_config, resolve_model_path
 from grpo.layout import derive_layout
 from grpo.models import family_of
 from grpo.metrics import save_grid
-from grpo.prompts import ensure_cache, load_cache, read_prompt_set
+from grpo.prompts import ensure_cache, ensure_references, load_cache, read_prompt_set
 from grpo.rewards import build_rewards, check_reward_metadata, check_rewards, mix
 from grpo.rollout import FluxSampler
 
@@ -74,6 +74,7 @@ def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weight
     check_rewards(cfg.rewards)
     rows = read_prompt_set(cfg.data.eval_prompts, "data.eval_prompts")
     check_reward_metadata(cfg.rewards, rows, "data.eval_prompts", cfg.data.eval_prompts)
+    family_of(model_path).check_references(rows, "data.eval_prompts", cfg.data.eval_prompts, model_path)
     if weights not in ("auto", "ema", "model"):
         raise ConfigError(f"weights: {weights!r}; use auto, ema or model")
     if checkpoint is None:
@@ -86,7 +87,8 @@ def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weight
 
     device = dev.device_for_local_rank(0)
     cache = load_cache(ensure_cache(model_path, cfg.data.eval_prompts, "data.eval_prompts", cfg.data, device, rows),
-                       rows)
+                       rows, ensure_references(model_path, cfg.data.eval_prompts, rows, cfg.data.cache_dir,
+                                               cfg.sampling.resolution, device))
     parts = family_of(model_path).load_parts(model_path, vae_dtype=dev.resolve_dtype(cfg.model.dtype),
                                              transformer_dtype=dtype)
     model = parts.transformer.to(device).eval()

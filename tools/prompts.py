@@ -1,4 +1,5 @@
-"""Precompute a preset's prompt-embedding caches (train and eval prompt files or datasets) before training.
+"""Precompute a preset's prompt-embedding caches (train and eval prompt files or datasets) before training, and the
+source-image caches of datasets with images (FLUX.1-Kontext: grpo/references.py).
 
     python -m tools.prompts CONFIG [key=value ...]
 """
@@ -14,7 +15,8 @@ from grpo.config import load_config
 from grpo.device import accelerator, device_for_local_rank, local_devices
 from grpo.errors import run_command
 from grpo.inputs import resolve_model_path
-from grpo.prompts import ensure_cache
+from grpo.models import family_of
+from grpo.prompts import ensure_cache, ensure_references, read_prompt_set
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +35,15 @@ def main(argv: list[str] | None = None) -> int:
         device = device_for_local_rank(0)  # NPU, GPU or CPU, as the recipe picks it
         files = [("data.train_prompts", cfg.data.train_prompts), ("data.eval_prompts", cfg.data.eval_prompts)]
         start = time.perf_counter()
-        out = "\n".join(str(ensure_cache(model_path, f, setting, cfg.data, device)) for setting, f in files if f)
+        out = []
+        for setting, f in files:
+            if f:
+                rows = read_prompt_set(f, setting)
+                family_of(model_path).check_references(rows, setting, f, model_path)
+                out.append(str(ensure_cache(model_path, f, setting, cfg.data, device, rows)))
+                refs = ensure_references(model_path, f, rows, cfg.data.cache_dir, cfg.sampling.resolution, device)
+                out += [str(refs)] if refs is not None else []
+        out = "\n".join(out)
         log.info("%s", peak_line(time.perf_counter() - start))
         return out
 

@@ -14,12 +14,13 @@ from pathlib import Path
 
 from grpo.errors import ConfigError
 from grpo.models.base import Conditioning, ModelFamily, Parts
-from grpo.models.flux1 import FLUX1
+from grpo.models.flux1 import FLUX1, FLUX1_KONTEXT
 from grpo.models.flux2 import FLUX2_DEV, FLUX2_KLEIN
 
-__all__ = ["FAMILIES", "Conditioning", "ModelFamily", "Parts", "family_of", "family_of_transformer", "pipeline_of"]
+__all__ = ["FAMILIES", "Conditioning", "ModelFamily", "Parts", "family_of", "family_of_pipeline",
+           "family_of_transformer", "pipeline_of"]
 
-FAMILIES: tuple[ModelFamily, ...] = (FLUX1, FLUX2_KLEIN, FLUX2_DEV)
+FAMILIES: tuple[ModelFamily, ...] = (FLUX1, FLUX1_KONTEXT, FLUX2_KLEIN, FLUX2_DEV)
 _BY_PIPELINE = {name: f for f in FAMILIES for name in f.pipelines}
 
 
@@ -46,7 +47,11 @@ def family_of_transformer(config: dict) -> ModelFamily:
 
 def family_of(model_path: str | Path) -> ModelFamily:
     """The family that trains the pipeline saved at `model_path`; a one-line ConfigError for any other pipeline."""
-    name = pipeline_of(model_path)
+    return family_of_pipeline(pipeline_of(model_path), model_path)
+
+
+def family_of_pipeline(name: str, model_path: str | Path) -> ModelFamily:
+    """The family of the pipeline class `name` (a model_index.json's _class_name) of `model_path`."""
     if name not in _BY_PIPELINE:
         raise ConfigError(f"model.path: {model_path} is a {name}; supported pipelines: {', '.join(_BY_PIPELINE)}")
     return _BY_PIPELINE[name]

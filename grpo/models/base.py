@@ -14,6 +14,7 @@ import collections
 import functools
 import gc
 import importlib
+import inspect
 import json
 import logging
 from dataclasses import dataclass, replace
@@ -22,6 +23,8 @@ from typing import Callable
 
 import torch
 from grpo import sde
+from grpo.errors import ConfigError
+from grpo.prompt_sets import row_images
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +38,18 @@ class Conditioning:
     img_ids: torch.Tensor  # [S, 3] or [S, 4]
     guidance: torch.Tensor | None  # [B] float32; None for models without a guidance embedding
     pooled: torch.Tensor | None = None  # [B, Dp]: FLUX.1's CLIP pooled projection; FLUX.2 has none
+    # Reference images (FLUX.1-Kontext's source image, FLUX.2's reference images): their packed VAE latents,
+    # appended after the noisy tokens of every transformer call, and their RoPE ids (Kontext: first coordinate 1;
+    # FLUX.2: T = 10, 20, ...); None for text to image.
+    ref_latents: torch.Tensor | None = None  # [B, Sr, C] in the model's dtype
+    ref_ids: torch.Tensor | None = None  # [Sr, 3] or [Sr, 4], shared by the rows as img_ids is
 
     def select(self, rows: slice | torch.Tensor) -> "Conditioning":
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[rows]
 
         return replace(self, prompt_embeds=self.prompt_embeds[rows], guidance=pick(self.guidance),
-                       pooled=pick(self.pooled))
+                       pooled=pick(self.pooled), ref_latents=pick(self.ref_latents))
 
 
 @dataclass
@@ -112,6 +120,9 @@ class ModelFamily:
         transformer, vae: the diffusers class names of its transformer and VAE.
         text_folders: subfolders of the text encoders (their file stats key the prompt-embedding cache).
         embed_keys: the tensors one prompt's cache entry holds.
+        references: (fewest, most) reference images a dataset row gives (its ``image``/``images`` fields); (0, 0)
+            for text-to-image FLUX.1, (1, 1) for FLUX.1-Kontext's one source image, (0, 4) for FLUX.2's optional
+            reference images.
     """
 
     name: str
@@ -120,6 +131,7 @@ class ModelFamily:
     vae: str
     text_folders: tuple[str, ...]
     embed_keys: tuple[str, ...]
+    references: tuple[int, int] = (0, 0)
 
     # -- loading ------------------------------------------------------------------------------------------------
     def transformer_class(self) -> type:
@@ -194,6 +206,49 @@ class ModelFamily:
         """One call of the pipeline's encode_prompt: the tensors named by `embed_keys`."""
         raise NotImplementedError
 
+    # -- reference images ---------------------------------------------------------------------------------------
+    def check_references(self, rows, setting: str, source: str, model_path: str) -> None:
+        """Every row of the dataset `rows` (a grpo.prompt_sets.PromptSet) gives as many images as this family takes;
+        a one-line ConfigError names the first row that does not, before any model loads."""
+        fewest, most = self.references
+        pipeline = self.pipelines[0]
+        first = None
+        for where, meta in zip(rows.rows, rows.metadata):
+            n = len(row_images(meta))
+            if n and not most:
+                raise ConfigError(f"{setting}: {source} {where} gives an image, but model.path {model_path} is a "
+                                  f"{pipeline} (text to image), which takes none; drop the image/images fields, or "
+                                  f"set model.path to an image-conditioned model (e.g. a FLUX.1-Kontext folder)")
+            if n < fewest:
+                raise ConfigError(f"{setting}: {source} {where} has no source image, but model.path {model_path} is a "
+                                  f"{pipeline}, which edits one; give every row an \"image\" (a path relative to the "
+                                  f"dataset)")
+            if n > most:
+                raise ConfigError(f"{setting}: {source} {where} gives {n} images, but a {pipeline} takes at most "
+                                  f"{most}; keep {most} a row")
+            first = first or (where, n)
+            if n != first[1]:  # a micro-batch is one tensor: every row brings as many reference tokens
+                raise ConfigError(f"{setting}: {source} {where} gives {n} images, {first[0]} gives {first[1]}; give "
+                                  f"every row the same number of images")
+
+    def vae_pipeline(self, vae: torch.nn.Module):
+        """The family's pipeline with its VAE only: its image processor and VAE encoding, nothing else loaded."""
+        cls = self.pipeline_class()
+        others = [n for n, p in inspect.signature(cls.__init__).parameters.items()
+                  if n not in ("self", "vae") and p.default is inspect.Parameter.empty]
+        return cls(vae=vae, **dict.fromkeys(others))
+
+    def encode_references(self, vae: torch.nn.Module, paths: list[str], resolution: int,
+                          device: torch.device) -> torch.Tensor:
+        """The images at `paths` as the pipeline encodes its reference images for `resolution`: packed float32 VAE
+        latents [N, Sr, C] on the CPU (grpo/references.py caches them)."""
+        raise NotImplementedError(f"{self.name} takes no reference images")
+
+    def reference_tokens(self, image_tokens: int, images: int) -> int:
+        """Reference tokens that `images` reference images a row add to `image_tokens` noisy ones (the planner's
+        sequence length): each is encoded at the training resolution, as many tokens again."""
+        return image_tokens * images
+
     # -- latents, conditioning, the transformer call ------------------------------------------------------------
     def noise_shape(self, latent_channels: int, latent_size: int) -> tuple[int, ...]:
         """The shape of one sample's starting noise as the pipeline draws it (before packing)."""
@@ -218,9 +273,18 @@ class ModelFamily:
         `timestep` is sigma (diffusers multiplies by 1000 inside); `latents` float32, cast to the model's dtype.
         """
         dtype = cond.prompt_embeds.dtype
-        out = model(hidden_states=latents.to(dtype), timestep=timestep.to(dtype), guidance=cond.guidance,
-                    encoder_hidden_states=cond.prompt_embeds, txt_ids=cond.txt_ids, img_ids=cond.img_ids,
+        hidden, img_ids = latents.to(dtype), cond.img_ids
+        if cond.ref_latents is not None:
+            # As FluxKontextPipeline (and Flux2KleinPipeline with reference images) call their transformer: the
+            # reference tokens after the noisy ones, their ids after the noisy ids, the output cut back to the
+            # noisy tokens. Text-to-image calls skip this, so their inputs and kernels stay what they were.
+            hidden = torch.cat([hidden, cond.ref_latents], dim=1)
+            img_ids = torch.cat([img_ids, cond.ref_ids], dim=0)
+        out = model(hidden_states=hidden, timestep=timestep.to(dtype), guidance=cond.guidance,
+                    encoder_hidden_states=cond.prompt_embeds, txt_ids=cond.txt_ids, img_ids=img_ids,
                     return_dict=False, **self.extra_inputs(cond))[0]
+        if cond.ref_latents is not None:
+            out = out[:, : latents.shape[1]]
         return out.float()
 
     def extra_inputs(self, cond: Conditioning) -> dict:

@@ -1,11 +1,14 @@
 """FLUX.1 (FluxPipeline: FLUX.1-dev, FLUX.1-schnell, the tiny world): CLIP + T5 prompts, 2x2-packed 16-channel
-latents with 3-axis RoPE ids, a guidance embedding, the VAE's scaling and shift factors.
+latents with 3-axis RoPE ids, a guidance embedding, the VAE's scaling and shift factors. FLUX.1-Kontext
+(FluxKontextPipeline) is the same model family with each sample's source image as reference tokens.
 
 Everything goes through diffusers' own classes and FluxPipeline's static helpers, so a local tiny folder and
 black-forest-labs/FLUX.1-dev load and run through exactly the same code.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -72,3 +75,54 @@ class Flux1(ModelFamily):
 
 FLUX1 = Flux1(name="flux1", pipelines=("FluxPipeline",), transformer="FluxTransformer2DModel", vae="AutoencoderKL",
               text_folders=("text_encoder", "text_encoder_2"), embed_keys=("prompt_embeds", "pooled"))
+
+
+class Flux1Kontext(Flux1):
+    """FLUX.1-Kontext: FLUX.1's transformer, prompts and schedule, with the source image's packed VAE latents appended
+    after the noisy tokens of every call (ModelFamily.velocity), their RoPE ids those of the noisy grid with the first
+    coordinate 1. FluxKontextPipeline's time shift counts the noisy tokens only, so shift_mu is FLUX.1's unchanged.
+
+    The source image is resized to the preset's square resolution (sampling.resolution), so that its tokens are as
+    many as the noisy ones and its ids the noisy grid's: the pipeline's own preprocessing (its image processor's
+    resize and preprocess) called with _auto_resize=False at that size. FLUX.1-Kontext-dev's preferred square size is
+    1024 x 1024, which is what the pipeline's default _auto_resize picks for a square source: at resolution 1024 a
+    square source is encoded exactly as the pipeline's defaults encode it. A non-square source is stretched to the
+    square (the pipeline would keep its aspect); every row's references then have one shape, and a micro-batch of
+    different source images stays one tensor.
+    """
+
+    @torch.no_grad()
+    def encode_references(self, vae: torch.nn.Module, paths: list[str], resolution: int,
+                          device: torch.device) -> torch.Tensor:
+        from diffusers.utils import load_image
+
+        pipe = self.vae_pipeline(vae)
+        packed = []
+        for path in paths:
+            # load_image converts to RGB, as a pipeline user's image usually is
+            image = pipe.image_processor.resize(load_image(path), resolution, resolution)
+            image = pipe.image_processor.preprocess(image, resolution, resolution).to(device=device, dtype=vae.dtype)
+            latents = pipe._encode_vae_image(image, generator=None)  # the mode of the posterior, normalised
+            b, c, h, w = latents.shape
+            packed.append(self.pipeline_class()._pack_latents(latents, b, c, h, w)[0].float().cpu())
+        return torch.stack(packed)
+
+    def reference_ids(self, latent_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """[Sr, 3]: the noisy grid's ids with the first coordinate 1 (FluxKontextPipeline.prepare_latents)."""
+        ids = self.image_ids(latent_size, device, dtype)
+        ids[..., 0] = 1
+        return ids
+
+    def conditioning(self, embeds, latent_size, guidance, guidance_embeds, device, dtype) -> Conditioning:
+        if "ref_latents" not in embeds:
+            raise RuntimeError("a FLUX.1-Kontext conditioning without source-image latents: load the prompt cache "
+                               "with its references (grpo.prompts.load_cache(..., references=...))")
+        cond = super().conditioning(embeds, latent_size, guidance, guidance_embeds, device, dtype)
+        return replace(cond, ref_latents=embeds["ref_latents"].to(device=device, dtype=dtype),
+                       ref_ids=self.reference_ids(latent_size, device, dtype))
+
+
+FLUX1_KONTEXT = Flux1Kontext(name="flux1-kontext", pipelines=("FluxKontextPipeline",),
+                             transformer="FluxTransformer2DModel", vae="AutoencoderKL",
+                             text_folders=("text_encoder", "text_encoder_2"), embed_keys=("prompt_embeds", "pooled"),
+                             references=(1, 1))

@@ -5,9 +5,15 @@ only ([klein] is called with guidance=None).
 
 All of it is the pipelines' own code (their static helpers, encode_prompt, compute_empirical_mu), so the sampler
 reproduces Flux2KleinPipeline and Flux2Pipeline from the same noise and embeddings.
+
+Reference images (the pipelines' `image` argument): a dataset whose rows give images (the same number in every row)
+conditions each sample on its row's images, encoded as the pipelines encode them and appended after the noisy tokens
+(ModelFamily.velocity), their ids with T = 10, 20, ... (_prepare_image_ids). Without images, nothing changes.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -36,7 +42,7 @@ class Flux2(ModelFamily):
 
     def conditioning(self, embeds, latent_size, guidance, guidance_embeds, device, dtype) -> Conditioning:
         prompt_embeds = embeds["prompt_embeds"]
-        return Conditioning(
+        cond = Conditioning(
             prompt_embeds=prompt_embeds.to(device=device, dtype=dtype),
             txt_ids=self.pipeline_class()._prepare_text_ids(prompt_embeds[:1])[0].to(device),
             img_ids=self.image_ids(latent_size, device),
@@ -44,6 +50,34 @@ class Flux2(ModelFamily):
             guidance=(torch.full((len(prompt_embeds),), guidance, device=device, dtype=torch.float32)
                       if guidance_embeds else None),
         )
+        if "ref_latents" not in embeds:  # a dataset without images: text to image
+            return cond
+        refs = embeds["ref_latents"]
+        images = refs.shape[1] // (latent_size // 2) ** 2  # each image at the training resolution
+        return replace(cond, ref_latents=refs.to(device=device, dtype=dtype),
+                       ref_ids=self.reference_ids(latent_size, images, device))
+
+    def reference_ids(self, latent_size: int, images: int, device: torch.device) -> torch.Tensor:
+        """[images Sr, 4] ids of `images` reference images on the noisy grid, T = 10, 20, ... (_prepare_image_ids)."""
+        grid = torch.empty(1, 1, latent_size // 2, latent_size // 2)
+        return self.pipeline_class()._prepare_image_ids([grid] * images)[0].to(device)
+
+    @torch.no_grad()
+    def encode_references(self, vae, paths, resolution, device) -> torch.Tensor:
+        """The pipelines' reference encoding at the preset's square resolution: the image processor's preprocess
+        with resize_mode="crop" (what the pipeline does to an image of that size; a larger or non-square one is
+        resized and centre-cropped to the square here, where the pipeline would keep its size up to 1 megapixel and
+        its aspect), the posterior's mode, patchified and batch-norm normalised (_encode_vae_image), packed."""
+        from diffusers.utils import load_image
+
+        pipe = self.vae_pipeline(vae)
+        packed = []
+        for path in paths:
+            image = pipe.image_processor.preprocess(load_image(path), height=resolution, width=resolution,
+                                                    resize_mode="crop")
+            latents = pipe._encode_vae_image(image.to(device=device, dtype=vae.dtype), generator=None)
+            packed.append(pipe._pack_latents(latents)[0].float().cpu())
+        return torch.stack(packed)
 
     def example_inputs(self, config, batch, image_tokens, text_tokens, dtype, device="meta") -> dict:
         t = lambda *shape, dt=dtype: torch.randn(*shape, device=device).to(dt)  # noqa: E731
@@ -73,7 +107,8 @@ class Flux2(ModelFamily):
         return compute_empirical_mu(image_seq_len=image_seq_len, num_steps=num_steps)
 
 
+# Up to 4 reference images a row: this project's cap (each one adds the noisy sequence again), not a pipeline limit.
 _FLUX2 = dict(name="flux2", transformer="Flux2Transformer2DModel", vae="AutoencoderKLFlux2",
-              text_folders=("text_encoder",), embed_keys=("prompt_embeds",))
+              text_folders=("text_encoder",), embed_keys=("prompt_embeds",), references=(0, 4))
 FLUX2_KLEIN = Flux2(pipelines=("Flux2KleinPipeline",), **_FLUX2)
 FLUX2_DEV = Flux2(pipelines=("Flux2Pipeline",), **_FLUX2)
