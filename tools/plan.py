@@ -58,7 +58,7 @@ from grpo.layout import derive_layout
 from grpo.objectives import objective_of
 from grpo.device import resolve_dtype
 from grpo.errors import ConfigError, run_command
-from grpo.models import ModelFamily, family_of_transformer
+from grpo.models import ModelFamily, family_of_pipeline, family_of_transformer
 from grpo.models.blocks import enable_checkpointing
 
 GiB = 2**30
@@ -106,6 +106,39 @@ def model_configs(path: str, revision: str | None = None) -> tuple[dict, dict | 
         return shipped[path]["transformer"], shipped[path]["vae"]
     raise ConfigError(f"model.path: no transformer/config.json for {path} in a local folder, the Hugging Face cache or "
                       f"{SHIPPED.name} ({', '.join(shipped)}); download the configs or give a local folder")
+
+
+def model_family(path: str, transformer_config: dict, revision: str | None = None) -> ModelFamily:
+    """The family of model.path's pipeline (its model_index.json in a local folder or the Hugging Face cache, or the
+    shipped entry's _pipeline), which knows what a transformer config cannot: e.g. that a FluxTransformer2DModel of a
+    FLUX.1-Kontext folder also reads the source image's tokens. The transformer's family when no pipeline is known."""
+    local = Path(path) / "model_index.json"
+    name = json.loads(local.read_text()).get("_class_name") if local.is_file() else None
+    if name is None and not Path(path).is_dir():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            hit = try_to_load_from_cache(path, "model_index.json", revision=revision)
+        except Exception:  # noqa: BLE001 -- a malformed id or no cache: fall back to the shipped configs
+            hit = None
+        if isinstance(hit, str):
+            name = json.loads(Path(hit).read_text()).get("_class_name")
+        else:
+            name = json.loads(SHIPPED.read_text()).get(path, {}).get("_pipeline")
+    return family_of_pipeline(name, path) if name else family_of_transformer(transformer_config)
+
+
+def reference_images(cfg: RecipeConfig, family: ModelFamily) -> int:
+    """Reference images a training row gives (every row gives as many): the dataset's first row's, or the family's
+    fewest when the dataset cannot be read here (none given, a hub id offline)."""
+    from grpo.prompt_sets import read_prompt_set, row_images
+
+    if family.references == (0, 0) or not cfg.data.train_prompts:
+        return family.references[0]
+    try:
+        return len(row_images(read_prompt_set(cfg.data.train_prompts, "data.train_prompts").metadata[0]))
+    except ConfigError:
+        return family.references[0]
 
 
 def meta_transformer(config: dict, dtype: torch.dtype, lora=None) -> nn.Module:
@@ -340,6 +373,7 @@ class Plan:
     notes: list[str]
     params: int
     trainable: int
+    image_tokens: int = 0  # the transformer's image sequence: the noisy tokens and any reference tokens
 
     def phase_total(self, phase: str) -> int:
         return sum(self.resident.values()) + sum(self.phases[phase].values())
@@ -383,8 +417,9 @@ def _reward_bytes(rewards: dict) -> tuple[int, int, list[str]]:
 
 
 def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_config: dict | None = None,
-         vae_config: dict | None = None) -> Plan:
-    """Per-device memory of one GRPO step of `cfg` on `devices` processes (see the module docstring)."""
+         vae_config: dict | None = None, family: ModelFamily | None = None) -> Plan:
+    """Per-device memory of one GRPO step of `cfg` on `devices` processes (see the module docstring). `family`:
+    model.path's (model_family) when None."""
     layout = derive_layout(cfg, devices)
     if ds is None:
         path = Path(cfg.deepspeed.config)
@@ -394,12 +429,18 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
         ds = json.loads(path.read_text())
     if transformer_config is None:
         transformer_config, vae_config = model_configs(cfg.model.path, cfg.model.revision)
+    if family is None:
+        family = model_family(cfg.model.path, transformer_config, cfg.model.revision)
     zero, b = zero_settings(ds), precision_bytes(ds)
     dtype = {2: torch.bfloat16, 4: torch.float32}[b]
     vsf = 2 ** (len(vae_config["block_out_channels"]) - 1) if vae_config else 8
     latent = 2 * (cfg.sampling.resolution // (vsf * 2))
     image_tokens, text_tokens, m = (latent // 2) ** 2, cfg.data.max_sequence_length, layout.micro_batch_size
-    t = transformer_trace(transformer_config, dtype, cfg.lora, m, image_tokens, text_tokens)
+    # The transformer sees the reference tokens too (FLUX.1-Kontext: one source image, as many tokens again); the
+    # trajectories keep the noisy tokens only.
+    ref_tokens = family.reference_tokens(image_tokens, reference_images(cfg, family))
+    seq_tokens = image_tokens + ref_tokens
+    t = transformer_trace(transformer_config, dtype, cfg.lora, m, seq_tokens, text_tokens)
     params = t.params
     n_params, n_train = sum(n for n, _ in params), sum(n for n, tr in params if tr)
     notes: list[str] = []
@@ -426,7 +467,7 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
 
     activations, backward = t.update_bytes(cfg.model.gradient_checkpointing)
     r = layout.rollout_micro_batch_size  # rollouts, reference and eval run without gradients at this micro-batch
-    rollout_peak = (t if r == m else transformer_trace(transformer_config, dtype, cfg.lora, r, image_tokens,
+    rollout_peak = (t if r == m else transformer_trace(transformer_config, dtype, cfg.lora, r, seq_tokens,
                                                        text_tokens)).no_grad_peak
     fetch_unit = t.largest_block if cfg.deepspeed.fetch_blocks else t.largest_module
 
@@ -447,10 +488,11 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
     in_flight = (min(zero["stage3_prefetch_bucket_size"], n_params) + fetch_unit) * b
     resident["reduce bucket"] = zero["reduce_bucket_size"] * b if zero["contiguous_gradients"] else 0
     # What the rollout keeps until the update, per sample: float32 latents of every step, the conditioning (text
-    # embeddings in the model dtype), the decoded float32 image.
+    # embeddings and the reference latents in the model dtype), the decoded float32 image.
     latent_bytes = image_tokens * transformer_config["in_channels"] * 4
     per_sample = ((cfg.sampling.num_steps + 1) * latent_bytes
-                  + text_tokens * transformer_config["joint_attention_dim"] * b + 3 * cfg.sampling.resolution**2 * 4)
+                  + text_tokens * transformer_config["joint_attention_dim"] * b + 3 * cfg.sampling.resolution**2 * 4
+                  + ref_tokens * transformer_config["in_channels"] * b)
     per_sample += layout.trained_transitions * terms.latents_per_point * latent_bytes  # the objective's, per point
     trajectories = layout.samples_per_rank * per_sample
     gathered = n_params * b if cfg.deepspeed.gather_for_rollout else in_flight
@@ -473,8 +515,11 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
                                    n_params * b if lora_gather else in_flight}
     if zero["offload_optimizer"]:
         notes.append("offload_optimizer: master, moments and gradients live in host memory (see 'host')")
+    if ref_tokens:
+        notes.append(f"{family.name}: the transformer's sequence is {image_tokens} noisy + {ref_tokens} reference "
+                     f"(source image) tokens + {text_tokens} text tokens")
     notes.append("allocator fragmentation and the runtime's own context are not counted: keep ~10% headroom")
-    return Plan(devices, resident, phases, host, notes, n_params, n_train)
+    return Plan(devices, resident, phases, host, notes, n_params, n_train, seq_tokens)
 
 
 # ------------------------------------------------------------------------------------------------------ output
