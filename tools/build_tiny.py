@@ -4,11 +4,13 @@
     python -m tools.build_tiny --out NEW --init-from OLD [--decoder-steps N] [--transformer-steps N] [--transformer-lr LR]
     python -m tools.build_tiny --family flux2 --out assets/tiny-flux2 [same flags]
     python -m tools.build_tiny --family flux2-dev --untrained --out OUT
+    python -m tools.build_tiny --family flux1-kontext --out assets/tiny-flux-kontext [--init-from assets/tiny-flux]
 
 `--family flux1` (the default) builds a FluxPipeline (FLUX.1 layout), described below; `--family flux2` builds a
 Flux2KleinPipeline (FLUX.2 [klein] layout) through the same phases, with the parts in `tools/build_tiny_flux2.py`;
 `--family flux2-dev` an untrained Flux2Pipeline (FLUX.2 [dev] layout: Mistral3 text encoder, guidance embedding),
-from the same file.
+from the same file. `--family flux1-kontext` trains nothing: it lays an existing FLUX.1 build (`--init-from`, default
+assets/tiny-flux) out as a FluxKontextPipeline folder (tools/build_tiny_kontext.py; `--copy` for copies, not links).
 
 Phases (each logged with its time):
 
@@ -719,9 +721,11 @@ def build(
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m tools.build_tiny", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="output folder (diffusers layout of the family's pipeline)")
-    p.add_argument("--family", choices=("flux1", "flux2", "flux2-dev"), default="flux1",
+    p.add_argument("--family", choices=("flux1", "flux2", "flux2-dev", "flux1-kontext"), default="flux1",
                    help="flux1: FluxPipeline (default); flux2: Flux2KleinPipeline; flux2-dev: Flux2Pipeline, untrained "
-                        "only (tools/build_tiny_flux2.py)")
+                        "only (tools/build_tiny_flux2.py); flux1-kontext: the --init-from FLUX.1 build as a "
+                        "FluxKontextPipeline folder (tools/build_tiny_kontext.py)")
+    p.add_argument("--copy", action="store_true", help="flux1-kontext: copy the components instead of linking them")
     p.add_argument("--untrained", action="store_true",
                    help="no training and no evaluation, in seconds (build_tiny.UNTRAINED)")
     p.add_argument("--vae-steps", type=int, default=300)
@@ -753,6 +757,17 @@ def main(argv: list[str] | None = None) -> None:
                        help="every N-th step, batch/8 samples see the pipeline's default 512-token padding instead "
                             "of 32 (default 8; 0: never)")
     args = p.parse_args(argv)
+    if args.family == "flux1-kontext":
+        from tools.build_tiny_kontext import SOURCE, build_kontext
+
+        trained = [a for a in ("vae_steps", "transformer_steps", "decoder_steps", "untrained")
+                   if getattr(args, a) != p.get_default(a)]
+        if trained:
+            raise SystemExit(f"--{trained[0].replace('_', '-')}: --family flux1-kontext trains nothing; drop it")
+        print(build_kontext(args.out, args.init_from or SOURCE, copy=args.copy))
+        return
+    if args.copy:
+        raise SystemExit("--copy: a flux1-kontext option (--family flux1-kontext)")
     for name, value in (UNTRAINED if args.untrained else {}).items():
         flag = f"--{name.replace('_', '-')}"
         if getattr(args, name) != p.get_default(name):

@@ -1,5 +1,7 @@
 """Write the tiny world's prompt files from the world itself (grpo/tiny/world.py `prompt_files`), so the .txt and the
-.jsonl (prompts with their scene metadata, for the tiny_world_meta reward) never drift from the split or the parser.
+.jsonl (prompts with their scene metadata, for the tiny_world_meta reward) never drift from the split or the parser;
+and its edit set (`edit_files`: tiny_edit_{train,heldout}.jsonl and their 64 px source images in tiny_edit/, for the
+FLUX.1-Kontext presets, recipes/configs/tiny_kontext/).
 
     python -m tools.tiny_prompts [FOLDER]      # default assets/prompts
 """
@@ -19,6 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, text in world.prompt_files().items():
         (folder / name).write_text(text, encoding="utf-8")
         print(folder / name)
+    for name, data in world.edit_files().items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    print(folder / "tiny_edit_train.jsonl", folder / "tiny_edit_heldout.jsonl", folder / world.EDIT_DIR)
     return 0
 
 

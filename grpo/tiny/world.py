@@ -148,6 +148,61 @@ def prompt_files() -> dict[str, str]:
     return files
 
 
+EDIT_KINDS = ("color", "background", "shape")  # what an edit changes: the shape's colour, the background, the shape
+EDIT_DIR = "tiny_edit"  # the source images, next to the edit files
+
+
+def _edited(source: tuple[str, str, str], kind: str) -> tuple[str, str, str]:
+    """The scene `source` with its `kind` changed to the next value of the world that keeps it valid."""
+    c, s, b = source
+    names = list(COLORS)
+    if kind == "shape":
+        return c, SHAPES[(SHAPES.index(s) + 1) % len(SHAPES)], b
+    at, other = (names.index(c), b) if kind == "color" else (names.index(b), c)
+    new = next(n for n in (names[(at + k) % len(names)] for k in range(1, len(names))) if n != other)
+    return (new, s, b) if kind == "color" else (c, s, new)
+
+
+def edit_rows(per_split: tuple[int, int] = (24, 8)) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) edits of the world for image-conditioned models (FLUX.1-Kontext): each row's source scene is
+    edited in one part (EDIT_KINDS, in turn), and its prompt is the edited scene's world prompt, the instruction in
+    the only words the tiny text encoders know. A row carries the target scene (color, shape, background: what
+    tiny_world_meta scores), the edit's kind, the source prompt and its image's file name under EDIT_DIR. An edit is
+    held out when its target prompt is (split_prompts), so held-out targets are scenes training never asks for."""
+    train_targets, heldout_targets = map(set, split_prompts())
+    rows: tuple[list[dict], list[dict]] = ([], [])
+    for i, source in enumerate(all_prompts()):
+        kind = EDIT_KINDS[i % len(EDIT_KINDS)]
+        target = TEMPLATE.format(**dict(zip(("color", "shape", "background"), _edited(parse(source), kind))))
+        split = 0 if target in train_targets else 1
+        assert target in train_targets or target in heldout_targets
+        if len(rows[split]) < per_split[split]:
+            name = f"{len(rows[0]) + len(rows[1]):03d}.png"
+            rows[split].append({**record(target), "image": f"{EDIT_DIR}/{name}", "edit": kind, "source": source})
+    return rows
+
+
+def edit_files(size: int = 64, seed: int = 0) -> dict[str, bytes]:
+    """The bytes of assets/prompts/tiny_edit_{train,heldout}.jsonl and of the source images they name (PNG, `size`
+    px, rendered with the world's jitter from `seed` and the image's number): what python -m tools.tiny_prompts
+    writes."""
+    import io
+
+    from PIL import Image
+
+    files = {}
+    for name, rows in zip(("tiny_edit_train", "tiny_edit_heldout"), edit_rows()):
+        files[f"{name}.jsonl"] = "".join(json.dumps(r) + "\n" for r in rows).encode()
+        for r in rows:
+            number = int(r["image"].split("/")[-1].split(".")[0])
+            image = render([r["source"]], size, torch.Generator().manual_seed(seed * 1000 + number))[0]
+            pixels = (image * 255).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
+            buffer = io.BytesIO()
+            Image.fromarray(pixels).save(buffer, format="PNG", optimize=True)
+            files[r["image"]] = buffer.getvalue()
+    return files
+
+
 def _parts(parsed: list[tuple[str, str, str]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scenes (color, shape, background) as tensors: shape colours [B, 3], background colours [B, 3], shape indices
     [B]."""
