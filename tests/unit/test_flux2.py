@@ -106,3 +106,68 @@ def test_the_encoding_dtype_keys_the_cache(tmp_path):
     a, b = load_cache(fp32).embeds["prompt_embeds"], load_cache(bf16).embeds["prompt_embeds"]
     assert a.dtype == b.dtype == torch.float32 and not torch.equal(a, b)
     torch.testing.assert_close(b, a, rtol=5e-2, atol=5e-2)
+
+
+def _with_references(family, parts, sampler, cache, rows):
+    """`cache` with one source image of the tiny edit set a prompt, encoded as the pipeline encodes its `image`."""
+    from tests import EDITS
+
+    paths = [str(EDITS.parent / "tiny_edit" / f"{i:03d}.png") for i in rows]
+    refs = family.encode_references(parts.vae, paths, sampler.sampling.resolution, torch.device("cpu"))
+    return PromptCache(cache.prompts, cache.embeds, references=refs,
+                       reference_index=torch.arange(len(rows))[:, None]), paths
+
+
+def test_ode_rollout_with_a_reference_image_reproduces_flux2_klein_pipeline(setup):
+    """Flux2KleinPipeline(image=...): each prompt's reference image's tokens after the noisy ones, ids at T = 10. The
+    same rollout without them is another image, so a reference lost on the way would fail."""
+    from dataclasses import replace
+
+    from diffusers.utils import load_image
+
+    cfg, parts, sampler, cache = setup
+    ids = list(range(len(PROMPTS)))
+    refs, paths = _with_references(FLUX2_KLEIN, parts, sampler, cache, [0, 1, 2])
+    init = sampler.initial_latents(0, ids)
+    cond = sampler.conditioning(refs, ids)
+    assert cond.ref_ids[:, 0].unique().tolist() == [10] and cond.ref_latents.shape == (3, 64, 16)
+    ours = sampler.decode(sampler.sample(parts.transformer, cond, init, eta=0.0).x0)
+    side = sampler.latent_size // 2
+    noise = init.cpu().permute(0, 2, 1).reshape(len(ids), -1, side, side)
+    pipe = Flux2KleinPipeline.from_pretrained(str(TINY_FLUX2), dtype=torch.float32)
+    with torch.no_grad():
+        expected = torch.cat([pipe(image=[load_image(paths[i])], prompt_embeds=cache.embeds["prompt_embeds"][i:i + 1],
+                                   latents=noise[i:i + 1], height=64, width=64,
+                                   num_inference_steps=cfg.sampling.num_steps, guidance_scale=1.0,
+                                   output_type="pt").images for i in ids])
+    torch.testing.assert_close(ours, expected.float(), atol=1e-5, rtol=0)
+    blind = sampler.decode(sampler.sample(parts.transformer, replace(cond, ref_latents=None, ref_ids=None), init,
+                                          eta=0.0).x0)
+    assert (blind - expected).abs().max() > 0.1
+
+
+def test_two_reference_images_get_their_own_time_offsets(setup):
+    cfg, parts, sampler, cache = setup
+    refs, _ = _with_references(FLUX2_KLEIN, parts, sampler, cache, [0, 1, 2])
+    two = PromptCache(refs.prompts, refs.embeds, references=refs.references,
+                      reference_index=torch.tensor([[0, 1], [1, 2], [2, 0]]))
+    cond = sampler.conditioning(two, [1])
+    assert cond.ref_latents.shape == (1, 128, 16) and cond.ref_ids[:, 0].unique().tolist() == [10, 20]
+    assert torch.equal(cond.ref_latents[0, 64:], refs.references[2])
+
+
+def test_a_flux2_dataset_gives_every_row_as_many_images(tmp_path):
+    import json
+
+    from grpo.errors import ConfigError
+    from grpo.prompts import read_prompt_set
+    from tests import EDITS
+
+    image = str(EDITS.parent / "tiny_edit" / "000.png")
+    (tmp_path / "mixed.jsonl").write_text(json.dumps({"prompt": "a red circle on a green background", "image": image})
+                                          + "\n" + json.dumps({"prompt": "a red square"}) + "\n")
+    with pytest.raises(ConfigError, match=r"^data.train_prompts: m.jsonl line 2 gives 0 images, line 1 gives 1; give "
+                                          r"every row the same number of images$"):
+        FLUX2_KLEIN.check_references(read_prompt_set(tmp_path / "mixed.jsonl"), "data.train_prompts", "m.jsonl",
+                                     str(TINY_FLUX2))
+    FLUX2_KLEIN.check_references(read_prompt_set(EDITS), "data.train_prompts", str(EDITS), str(TINY_FLUX2))

@@ -85,3 +85,26 @@ def test_the_guidance_embedding_takes_a_guidance(tiny_flux2_dev):
 
     check_guidance(str(tiny_flux2_dev), DEV_GUIDANCE)
     check_guidance(str(tiny_flux2_dev), 1.0)
+
+
+def test_ode_rollout_with_a_reference_image_reproduces_flux2_pipeline(setup):
+    """Flux2Pipeline(image=...), as Flux2KleinPipeline's: the reference image's tokens after the noisy ones."""
+    from diffusers.utils import load_image
+
+    from tests import EDITS
+
+    cfg, parts, sampler, cache, pipe = setup
+    path = str(EDITS.parent / "tiny_edit" / "000.png")
+    refs = FLUX2_DEV.encode_references(parts.vae, [path], 64, torch.device("cpu"))
+    cache = PromptCache(cache.prompts[:1], {k: v[:1] for k, v in cache.embeds.items()}, references=refs,
+                        reference_index=torch.zeros(1, 1, dtype=torch.int64))
+    init = sampler.initial_latents(0, [0])
+    ours = sampler.decode(sampler.sample(parts.transformer, sampler.conditioning(cache, [0]), init, eta=0.0).x0)
+    side = sampler.latent_size // 2
+    noise = init.cpu().permute(0, 2, 1).reshape(1, -1, side, side)
+    with torch.no_grad():
+        expected = pipe(image=[load_image(path)], prompt_embeds=cache.embeds["prompt_embeds"], latents=noise,
+                        height=64, width=64, num_inference_steps=cfg.sampling.num_steps, guidance_scale=DEV_GUIDANCE,
+                        output_type="pt").images
+    torch.testing.assert_close(ours, expected.float(), atol=1e-5, rtol=0)
+    assert (_pipeline_images(pipe, cfg, cache, noise, DEV_GUIDANCE) - expected).abs().max() > 1e-3  # no image

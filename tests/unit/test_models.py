@@ -73,11 +73,13 @@ def test_the_family_comes_from_model_index(tmp_path):
     assert family_of(TINY) is FLUX1
     assert family_of(_folder(tmp_path / "a", "Flux2KleinPipeline")) is FLUX2_KLEIN
     assert family_of(_folder(tmp_path / "b", "Flux2Pipeline")) is FLUX2_DEV
+    assert family_of(_folder(tmp_path / "c", "FluxKontextPipeline")).name == "flux1-kontext"
 
 
 @pytest.mark.parametrize("class_name, words", [
     ("StableDiffusion3Pipeline",
-     "is a StableDiffusion3Pipeline; supported pipelines: FluxPipeline, Flux2KleinPipeline, Flux2Pipeline"),
+     "is a StableDiffusion3Pipeline; supported pipelines: FluxPipeline, FluxKontextPipeline, Flux2KleinPipeline, "
+     "Flux2Pipeline"),
     (None, "model_index.json is missing or has no _class_name"),
 ])
 def test_an_unsupported_folder_is_one_line(tmp_path, class_name, words):

@@ -1,0 +1,104 @@
+"""The recipe on the tiny FLUX.1-Kontext (assets/tiny-flux-kontext) and its edit set under ZeRO-3: every sample
+conditioned on its row's source image, in the rollout, the update's recomputation and the lagging policy.
+
+The default tier has one short run (grpo + LoRA, 1 step, 2 processes): the first-pass ratio is exactly 1 with the
+reference tokens in every call, and the exported LoRA loads into diffusers' FluxKontextPipeline and changes its
+edit. The slow tier (-m slow) has four more (8 images a step, 4 steps a trajectory):
+
+    two     grpo + LoRA, 2 steps, 2 processes, a checkpoint every step
+    one     the same on 1 process
+    resumed 2 processes from two's step-1 checkpoint to step 2
+    nft     DiffusionNFT + LoRA (the lagging policy samples with the source images too), 2 steps, 2 processes
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests import EDITS, ROOT, TINY_KONTEXT
+from tests.recipe.launch import SMALL, assert_resumed_step_exact, assert_two_steps_agree, run_recipe, train_rows
+
+pytestmark = pytest.mark.skipif(not (TINY_KONTEXT / "model_index.json").exists(), reason="tiny Kontext not built")
+GRPO, NFT = (f"recipes/configs/tiny_kontext/{n}.yaml" for n in ("grpo_lora", "nft_lora"))
+
+
+def _run(tmp, name: str, config: str, nproc: int, extra: list[str]) -> dict:
+    out = tmp / name
+    overrides = [*SMALL, f"output_dir={out}", f"data.cache_dir={tmp / 'cache'}", "data.eval_prompts=null",
+                 "logging.sample_every=0", "logging.tensorboard=false", *extra]
+    proc = run_recipe(str(ROOT / config), overrides, nproc)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {"dir": out, "rows": [r for r in train_rows(out) if "loss" in r], "log": proc.stderr}
+
+
+def _edits(pipe) -> torch.Tensor:
+    from diffusers.utils import load_image
+
+    source = load_image(str(EDITS.parent / "tiny_edit" / "000.png"))
+    with torch.no_grad():
+        return pipe(image=source, prompt=["a blue circle on a green background"] * 2, height=64, width=64,
+                    max_area=64 * 64, _auto_resize=False, num_inference_steps=4, guidance_scale=3.5,
+                    max_sequence_length=32, output_type="pt",
+                    generator=[torch.Generator().manual_seed(i) for i in range(2)]).images.float()
+
+
+def test_kontext_trains_on_two_processes_and_its_lora_edits_in_diffusers(tmp_path):
+    from diffusers import FluxKontextPipeline
+
+    run = _run(tmp_path, "short", GRPO, 2, ["max_steps=1", "checkpoint.every=0", "optim.lr=1e-2"])
+    assert [r["ratio_max_dev"] for r in run["rows"]] == [0.0]
+    assert "encoding 24 source images of" in run["log"]
+    pipe = FluxKontextPipeline.from_pretrained(str(TINY_KONTEXT), dtype=torch.float32)
+    base = _edits(pipe)
+    pipe.load_lora_weights(str(run["dir"] / "final" / "lora"))
+    assert (_edits(pipe) - base).abs().max() > 1e-3
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("kontext")
+    grpo = ["max_steps=2", "checkpoint.every=1", "checkpoint.keep=2", "optim.lr=1e-2"]
+    two = _run(tmp, "two", GRPO, 2, grpo)
+    return {
+        "two": two,
+        "one": _run(tmp, "one", GRPO, 1, grpo),
+        "resumed": _run(tmp, "resumed", GRPO, 2, [*grpo, f"checkpoint.resume={two['dir']}/checkpoints/step_00000001"]),
+        "nft": _run(tmp, "nft", NFT, 2, ["max_steps=2", "checkpoint.every=0"]),
+    }
+
+
+@pytest.mark.slow
+def test_the_first_pass_ratio_is_exactly_one_on_every_step(runs):
+    assert [r["ratio_max_dev"] for r in runs["two"]["rows"]] == [0.0, 0.0]
+    assert [r["ratio_max_dev"] for r in runs["one"]["rows"]] == [0.0, 0.0]
+
+
+@pytest.mark.slow
+def test_one_and_two_processes_train_the_same(runs):
+    assert_two_steps_agree(runs["one"], runs["two"])
+
+
+@pytest.mark.slow
+def test_a_resumed_run_ends_where_the_uninterrupted_one_does(runs):
+    assert_resumed_step_exact(runs["two"], runs["resumed"])
+
+
+@pytest.mark.slow
+def test_nft_trains_kontext_with_its_lagging_policy(runs):
+    rows = runs["nft"]["rows"]
+    assert len(rows) == 2
+    assert all(math.isfinite(r[k]) for r in rows for k in ("loss", "reward_mean", "grad_norm"))
+    assert (runs["nft"]["dir"] / "final" / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_flux2_klein_trains_on_reference_images(tmp_path):
+    """FLUX.2 [klein] given the edit set: each sample conditioned on its row's image (T-offset ids), the first-pass
+    ratio still exactly 1 on 2 processes."""
+    run = _run(tmp_path, "klein", "recipes/configs/tiny_flux2/grpo_lora.yaml", 2,
+               ["max_steps=1", "checkpoint.every=0", f"data.train_prompts={EDITS}"])
+    assert [r["ratio_max_dev"] for r in run["rows"]] == [0.0]
+    assert "encoding 24 source images of" in run["log"]
