@@ -13,6 +13,8 @@ Layout under ``output_dir/checkpoints/``::
     latest                                      name of the newest complete checkpoint (DeepSpeed's convention,
                                                 so zero_to_fp32.py finds it); written after the rename
     .tmp-step_00000012/                         a checkpoint being written; never read, removed by the next save
+    .universal-step_00000010/step_00000010/     DeepSpeed's universal conversion of a checkpoint resumed on another
+                                                world size (possibly another run's); removed by the next save
 
 Atomicity: every rank writes into ``.tmp-<name>``; after a barrier the ranks hash their share of the files (and fsync
 them), rank 0 writes ``meta.json`` and renames the folder into place, then updates ``latest``. A kill at any moment
@@ -23,8 +25,15 @@ Resume is exact because everything random in a step is a pure function of (seed,
 (grpo/data.py): restoring the step counter, the optimizer, the LR scheduler, the weights and each rank's global RNG
 states continues the run as if it had never stopped.
 
-World size: a checkpoint is refused on a different number of processes. ZeRO-3 shards the optimizer by rank;
-DeepSpeed's universal-checkpoint conversion (ds_to_universal) could reshard it, but it is not wired in here.
+World size: a checkpoint resumes on any number of processes that its global batch splits over (grpo/compat.py
+refuses the others, naming the valid counts). On the writer's world size the load is DeepSpeed's own, bit for bit.
+On another one, rank 0 first converts the checkpoint with DeepSpeed's ``ds_to_universal`` (a subprocess) into
+``checkpoints/.universal-<name>/<name>/``, leaving the checkpoint itself untouched, and the engine, built with
+``"checkpoint": {"load_universal": true}`` (:func:`engine_config`), re-partitions the fp32 master weights and Adam
+moments for its ranks; the EMA and lagging-policy shards are re-cut from every writer's rank file by flat index
+(:meth:`grpo.ema.ShardedEMA.load_resharded`). RNG: rank r restores the writer's rank r where it existed, a new rank
+keeps its fresh ``seed + rank`` state (only LoRA dropout draws from them: samples are pure functions of the global
+index). The converted folder is reused by a rerun on the same count and deleted by the next complete save.
 
 Security: DeepSpeed's own ``load_checkpoint`` and ``zero_to_fp32`` unpickle their ``.pt`` files with
 ``torch.load(weights_only=False)``; everything this module writes and reads itself is JSON or safetensors. Only load
@@ -41,6 +50,8 @@ import logging
 import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,6 +74,8 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 META = "meta.json"
 LATEST = "latest"
+UNIVERSAL = ".universal-"  # + checkpoint name: its DeepSpeed universal conversion, for a resume on another world size
+SOURCE = "source.json"  # in a universal folder: which checkpoint (path, sha256 of its meta.json) it was made from
 _NAME = re.compile(r"^step_(\d{8})$")
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
@@ -265,7 +278,7 @@ def resume_point(cfg: RecipeConfig, world_size: int, check: Callable[[Path], str
     Raises:
         ConfigError: output_dir holds files but checkpoint.resume is null; every checkpoint of an `auto` run is
             damaged; the resume path does not exist, is not a checkpoint, fails verification, or was written by
-            another preset or world size.
+            another preset, or by a world size this one cannot continue (grpo/compat.py).
     """
     out, resume = Path(cfg.output_dir), cfg.checkpoint.resume
     if resume is None:
@@ -493,27 +506,97 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
         for stale in self.root.glob(".tmp-step_*"):
             shutil.rmtree(stale, ignore_errors=True)
+        # A run on a new world size needs its conversion only until it has a checkpoint of its own, i.e. now.
+        for converted in [*self.root.glob(UNIVERSAL + "*"), *self.root.glob(".tmp" + UNIVERSAL + "*")]:
+            shutil.rmtree(converted, ignore_errors=True)
 
     def load(self, path: Path, engine, ema=None, lagging=None) -> RunState:
-        """Restore DeepSpeed's state, this rank's RNG, EMA and lagging-policy shards; returns the run counters."""
+        """Restore DeepSpeed's state, this rank's RNG, EMA and lagging-policy shards; returns the run counters.
+
+        Written by another number of processes: DeepSpeed's universal checkpoint re-partitions the optimizer (the
+        engine must come from :func:`engine_config`), the averages are re-cut by flat index (see the module doc)."""
         meta = read_meta(path)
-        load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_module_strict=False,
+        written = meta["world_size"]
+        load_dir = path.parent
+        if written != self.world:
+            if not engine.load_universal_checkpoint():
+                raise RuntimeError("resuming on another world size needs the engine built from "
+                                   "grpo.checkpoint.engine_config (checkpoint.load_universal)")
+            load_dir = self._universal(path)
+        load_path, _ = engine.load_checkpoint(str(load_dir), tag=path.name, load_module_strict=False,
                                               load_optimizer_states=True, load_lr_scheduler_states=True)
         if load_path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {path}")
-        tensors = load_file(str(path / rank_file(self.rank)))
-        from safetensors import safe_open
+        files = [path / rank_file(r) for r in range(written)]
+        # A rank the writer did not have keeps its fresh seed + rank state (nothing of a step's samples depends on it)
+        tensors = load_file(str(files[self.rank])) if self.rank < written else {}
+        if tensors:
+            from safetensors import safe_open
 
-        with safe_open(str(path / rank_file(self.rank)), framework="pt") as f:
-            file_meta = f.metadata()
-        _, set_rng = rng.device_rng()
-        rng.set_rng_state(tensors, file_meta, set_rng)
-        if ema is not None:
-            if not meta["ema"]:
-                log.warning("checkpoint %s has no EMA weights; the EMA restarts from the current weights", path)
+            with safe_open(str(files[self.rank]), framework="pt") as f:
+                file_meta = f.metadata()
+            _, set_rng = rng.device_rng()
+            rng.set_rng_state(tensors, file_meta, set_rng)
+        if written != self.world and self.rank == 0:
+            log.info("resharded %s from %d to %d processes (DeepSpeed universal checkpoint %s)", path, written,
+                     self.world, load_dir / path.name)
+        if ema is not None and not meta["ema"]:
+            log.warning("checkpoint %s has no EMA weights; the EMA restarts from the current weights", path)
+            ema = None
+        # lagging: part of the training math (algorithm nft/awm), so the config check made it present
+        for average in (a for a in (ema, lagging) if a is not None):
+            if written == self.world:
+                average.load(tensors)
             else:
-                ema.load(tensors)
-        if lagging is not None:  # part of the training math (algorithm nft/awm): the config check made it present
-            lagging.load(tensors)
+                average.load_resharded(files)
         return RunState(step=meta["step"], consecutive_skips=meta.get("consecutive_skips", 0),
                         total_skips=meta.get("total_skips", 0))
+
+    def _universal(self, path: Path) -> Path:
+        """Called by every rank: the folder holding `path`'s DeepSpeed universal conversion (``<name>/`` inside it),
+        made by rank 0 unless a complete one of the same checkpoint is there. The other ranks wait on the file system,
+        not in a collective: converting a 12B full fine-tune can outlast faults.comm_timeout_s (a dead rank 0 ends
+        the job through the launcher)."""
+        folder = self.root / f"{UNIVERSAL}{path.name}"
+        source = {"checkpoint": str(path.resolve()), "meta_sha256": _sha256(path / META)}
+
+        def ready() -> bool:
+            try:
+                return json.loads((folder / SOURCE).read_text()) == source
+            except (OSError, ValueError):
+                return False
+
+        if self.rank == 0 and not ready():
+            tmp = self.root / f".tmp{UNIVERSAL}{path.name}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(folder, ignore_errors=True)  # of another checkpoint of that step (another run, replaced)
+            tmp.mkdir(parents=True)
+            meta = read_meta(path)
+            cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(path),
+                   "--output_folder", str(tmp / path.name), "--num_extract_workers",
+                   str(max(1, min(meta["world_size"], (os.cpu_count() or 1) // 2))), "--num_merge_workers", "1"]
+            log.info("checkpoint %s was written by %d processes, this run has %d: converting it to a DeepSpeed "
+                     "universal checkpoint in %s", path, meta["world_size"], self.world, folder)
+            started = time.monotonic()
+            with _disk_full(self.root, folder.name), open(tmp / "convert.log", "w") as out:
+                done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, text=True)
+            if done.returncode != 0:
+                if any(t in (tmp / "convert.log").read_text(errors="replace") for t in _FULL_TEXT):
+                    raise OutsideFailure(_no_space(self.root, folder.name, "while converting it for this world size"))
+                raise RuntimeError(f"DeepSpeed's ds_to_universal failed on {path} (exit {done.returncode}); its "
+                                   f"output: {tmp / 'convert.log'}\n{(tmp / 'convert.log').read_text()[-3000:]}")
+            _write_json_atomic(tmp / SOURCE, source)
+            tmp.rename(folder)
+            log.info("converted in %.1f s", time.monotonic() - started)
+        while not ready():
+            time.sleep(0.5)
+        return folder
+
+
+def engine_config(ds_config: dict, resume_from: Path | None, world_size: int) -> dict:
+    """The policy engine's DeepSpeed JSON for this start: DeepSpeed loads a universal checkpoint only when the engine
+    was built with ``checkpoint.load_universal``, so it is set when `resume_from` was written by another world
+    size (and only then: the same world size keeps DeepSpeed's exact per-rank load)."""
+    if resume_from is None or read_meta(resume_from)["world_size"] == world_size:
+        return ds_config
+    return {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}

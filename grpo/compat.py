@@ -1,4 +1,5 @@
-"""Whether a checkpoint fits this run: the same world size, and the same value of every setting that shapes training.
+"""Whether a checkpoint fits this run: a world size its global batch splits over, and the same value of every setting
+that shapes training.
 
 The schema says which settings may change on resume (the "[may change on resume]" ones, grpo.config.resume_free);
 a file or folder spelled differently (relative vs absolute) is not a change. grpo/checkpoint.py calls
@@ -7,11 +8,13 @@ a file or folder spelled differently (relative vs absolute) is not a change. grp
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from grpo.config import RecipeConfig, is_path, resume_free, to_dict
 from grpo.errors import ConfigError
+from grpo.layout import valid_world_sizes
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -43,17 +46,40 @@ def config_differences(saved: dict, current: dict) -> list[str]:
     return [f"{k}={a.get(k, '<unset>')!r} in the checkpoint, {b.get(k, '<unset>')!r} now" for k in keys]
 
 
+def _nvme_optimizer(ds_config_path: str) -> bool:
+    try:
+        ds = json.loads(Path(ds_config_path).read_text())
+    except (OSError, ValueError):
+        return False  # unreadable: grpo.inputs.load_ds_config names that
+    return ((ds.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device") == "nvme"
+
+
 def check_compatible(path: Path, meta: dict, cfg: RecipeConfig, world_size: int) -> None:
-    """Refuse (ConfigError) a checkpoint of another preset or another world size."""
-    if meta["world_size"] != world_size:
-        raise ConfigError(
-            f"checkpoint.resume: {path} was written by {meta['world_size']} processes, this run has {world_size}; "
-            f"relaunch on {meta['world_size']} processes (resharding a ZeRO-3 checkpoint is not supported)"
-        )
+    """Refuse (ConfigError) a checkpoint of another preset, or of another world size that this one cannot continue:
+    a global batch that does not split over `world_size` processes, or an optimizer offloaded to NVMe (DeepSpeed
+    restores NVMe-swapped states only from the same ranks' folders, never through a universal checkpoint)."""
+    written = meta["world_size"]
     diff = config_differences(meta["config"], to_dict(cfg))
     if diff:
         more = f" (and {len(diff) - 1} more)" if len(diff) > 1 else ""
         raise ConfigError(
             f"checkpoint.resume: {path} belongs to another preset: {diff[0]}{more}; resume with the checkpoint's "
             "settings (its config is in meta.json) or start a new output_dir"
+        )
+    if written == world_size:
+        return
+    # Checked after the settings: with the checkpoint's settings the batch is the checkpoint's, so the only fix left
+    # is the process count.
+    sizes = valid_world_sizes(cfg)
+    if world_size not in sizes:
+        n = cfg.batch.prompts_per_step * cfg.sampling.group_size
+        raise ConfigError(
+            f"checkpoint.resume: {path} was written by {written} processes; its global batch ({n} images per step, "
+            f"fixed for a resumed run) does not split over {world_size}; relaunch on "
+            f"{', '.join(map(str, sizes[:-1]))}{' or ' if len(sizes) > 1 else ''}{sizes[-1]} processes"
+        )
+    if _nvme_optimizer(cfg.deepspeed.config):
+        raise ConfigError(
+            f"checkpoint.resume: {path} was written by {written} processes and deepspeed.config offloads the "
+            f"optimizer to NVMe, whose states only the same ranks can reload; relaunch on {written} processes"
         )

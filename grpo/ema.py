@@ -112,6 +112,29 @@ class ShardedEMA:
         for name, s in self.shadow.items():
             s.copy_(tensors[self.prefix + name])
 
+    def load_resharded(self, rank_files: list) -> None:
+        """Load from the rank files of a checkpoint written by another number of processes (rank order).
+
+        This rank's shard is the elements [rank * n, rank * n + n) of the flattened parameter (n = its shard length
+        here; padding past the parameter's end is zero); each writer's shard covers [q * m, q * m + m) in the same
+        way, so only the overlapping pieces are read (safetensors slices): no rank holds a full copy."""
+        from safetensors import safe_open
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        with contextlib.ExitStack() as stack:
+            files = [stack.enter_context(safe_open(str(f), framework="pt")) for f in rank_files]
+            for name, s in self.shadow.items():
+                numel, n = int(self.params[name].ds_numel), s.numel()
+                out = torch.zeros(n, dtype=torch.float32)
+                start, end = rank * n, min(rank * n + n, numel)
+                for q, f in enumerate(files):
+                    piece = f.get_slice(self.prefix + name)
+                    m = piece.get_shape()[0]
+                    lo, hi = max(start, q * m), min(end, q * m + m)
+                    if lo < hi:
+                        out[lo - start:hi - start] = piece[lo - q * m:hi - q * m].float()
+                s.copy_(out.to(s.device))
+
 
 def assemble(rank_tensors: list[dict[str, torch.Tensor]], shapes: dict[str, list]) -> dict[str, torch.Tensor]:
     """Full EMA tensors from every rank's shards (rank order), without any process group.

@@ -173,7 +173,12 @@ def check_inputs(cfg: RecipeConfig, world_size: int) -> Inputs:
     job's lock, empty for a new run), and the resume checkpoint's structure (meta.json, files present; the ranks hash
     the files).
     """
-    layout = derive_layout(cfg, world_size)
+    try:
+        layout = derive_layout(cfg, world_size)
+    except ConfigError:
+        if cfg.checkpoint.resume is not None:  # a resumed run's batch is its checkpoint's: name the process counts
+            checkpoint.resume_point(cfg, world_size, check=checkpoint.structure)
+        raise
     model_path = resolve_model_path(cfg.model.path, cfg.model.revision)
     ds_config = load_ds_config(cfg.deepspeed.config, cfg, layout)
     if cfg.lora is not None:

@@ -49,6 +49,20 @@ class Layout:
         return self.micro_batch_size * self.grad_accum_steps * self.world_size
 
 
+def valid_world_sizes(cfg: RecipeConfig) -> list[int]:
+    """Every process count whose layout the batch arithmetic accepts (divisors of the global batch): what a resumed
+    run, whose batch is fixed by its checkpoint, may be relaunched on."""
+    n = cfg.batch.prompts_per_step * cfg.sampling.group_size
+    sizes = []
+    for w in (d for d in range(1, n + 1) if n % d == 0):
+        try:
+            derive_layout(cfg, w)
+        except ConfigError:
+            continue
+        sizes.append(w)
+    return sizes
+
+
 def derive_layout(cfg: RecipeConfig, world_size: int) -> Layout:
     """Check the batch arithmetic for `world_size` processes and return the per-rank layout (`cfg` is validated by
     load_config)."""

@@ -29,7 +29,8 @@ Features and the settings that control them (see grpo/config.py for every key):
     batch ......................... batch.{prompts_per_step (global), micro_batch_size, rollout_micro_batch_size,
                                     updates_per_step},
                                     sampling.group_size (global); per-rank values derived from the world size
-    checkpoints and resume ........ checkpoint.{every, keep, resume: null|auto|PATH} (grpo/checkpoint.py);
+    checkpoints and resume ........ checkpoint.{every, keep, resume: null|auto|PATH} (grpo/checkpoint.py), also on
+                                    another number of processes (resharded through DeepSpeed's universal checkpoint);
                                     python -m tools.export CHECKPOINT OUT; python -m tools.eval CONFIG checkpoint=...
     EMA of the trained weights .... ema.decay (null = off); used by eval and exports
     faults ........................ faults.{max_consecutive_skips, comm_timeout_s}; SIGTERM/SIGINT: finish the
@@ -162,7 +163,9 @@ class FluxGRPORecipe:
         dev.set_attention_backend(parts.transformer, cfg.model.attention_backend)
         self.sampler = FluxSampler.from_parts(parts, self.vae, cfg.sampling, cfg.seed, self.device, self.dtype)
         self.rewards = build_rewards(cfg.rewards, self.device)
-        self.engine, self.scheduler = build_policy(parts.transformer, cfg, self.ds_config)
+        # resuming a checkpoint of another world size: DeepSpeed loads it as a universal checkpoint (grpo/checkpoint.py)
+        self.engine, self.scheduler = build_policy(parts.transformer, cfg,
+                                                   ckpt.engine_config(self.ds_config, self.resume_from, self.world))
         self.reference = self._setup_reference()
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)

@@ -64,7 +64,11 @@ def _cases(tmp: Path) -> list[dict]:
     ds_batch.write_text(json.dumps({"zero_optimization": {"stage": 3}, "train_batch_size": 8}))
     ds_garbled = tmp / "ds_garbled.json"
     ds_garbled.write_text("{\"zero_optimization\": {\"stage\": 3,,}")
-    other_world = _fake_checkpoint(tmp / "ckpt_world4" / "step_00000003", 4, [])
+    # Another world size resumes (resharded), except with the optimizer on NVMe, which only its writer's ranks reload
+    ds_nvme = tmp / "ds_nvme.json"
+    ds_nvme.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
+                                                                                           "nvme_path": str(tmp)}}}))
+    other_world = _fake_checkpoint(tmp / "ckpt_world4" / "step_00000003", 4, [f"deepspeed.config={ds_nvme}"])
     other_preset = _fake_checkpoint(tmp / "ckpt_g8" / "step_00000003", 1, ["sampling.group_size=8"])
     garbled_ckpt = tmp / "ckpt_garbled" / "step_00000003"
     garbled_ckpt.mkdir(parents=True)
@@ -128,7 +132,8 @@ def _cases(tmp: Path) -> list[dict]:
         ("batch size set in deepspeed config", [f"deepspeed.config={ds_batch}"], "deepspeed.config"),
         ("non-empty output_dir without resume", [], "output_dir"),
         ("resume path missing", [f"checkpoint.resume={tmp / 'no_such_ckpt'}"], "checkpoint.resume"),
-        ("resume from another world size", [f"checkpoint.resume={other_world}"], "checkpoint.resume"),
+        ("resume from another world size, optimizer on NVMe", [f"checkpoint.resume={other_world}",
+                                                                f"deepspeed.config={ds_nvme}"], "checkpoint.resume"),
         ("resume from another preset", [f"checkpoint.resume={other_preset}"], "checkpoint.resume"),
         ("resume from a garbled checkpoint", [f"checkpoint.resume={garbled_ckpt}"], "checkpoint.resume"),
         # numbers: non-finite anywhere, then the ranges of betas, eps, eta, clip ranges and weights
@@ -235,7 +240,7 @@ def test_messages_say_how_to_fix_it(results):
     """Spot checks that the line carries the fix, not just the complaint."""
     by_name = {case["name"]: line for case, line, _, _ in results}
     assert "checkpoint.resume=auto" in by_name["non-empty output_dir without resume"]
-    assert "relaunch on 4 processes" in by_name["resume from another world size"]
+    assert "relaunch on 4 processes" in by_name["resume from another world size, optimizer on NVMe"]
     assert "sampling.group_size=8 in the checkpoint, 4 now" in by_name["resume from another preset"]
     assert "hf download" in by_name["missing reward model file"]
     assert "valid keys under sampling" in by_name["unknown nested key"]
