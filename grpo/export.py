@@ -86,8 +86,15 @@ def write_transformer(state: dict[str, torch.Tensor], class_name: str, transform
     config = {"_class_name": class_name, "_diffusers_version": diffusers.__version__,
               **{k: v for k, v in transformer_config.items() if not k.startswith("_")}}
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    save_torch_state_dict({k: v.to(dtype).contiguous() for k, v in state.items()}, str(out),
+    save_torch_state_dict({k: _own_storage(v.to(dtype).contiguous()) for k, v in state.items()}, str(out),
                           filename_pattern="diffusion_pytorch_model{suffix}.safetensors", max_shard_size="10GB")
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t`, copied when it is a view into a larger buffer, which safetensors refuses to write. DeepSpeed's gathered
+    weights are such views on a single CPU process after a universal-checkpoint load (the partitions are re-cut from
+    one flat buffer and a 1-process "gather" is a view of the partition)."""
+    return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
 
 
 def _lora_module(transformer: torch.nn.Module, lora: dict) -> None:
