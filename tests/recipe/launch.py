@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -212,6 +213,14 @@ def assert_two_steps_agree(one: dict, two: dict) -> None:
         assert b[1][key] == pytest.approx(a[1][key], rel=1e-4), (1, key)
     w1, w2 = (trained_weights(run["dir"] / "checkpoints" / "step_00000002", "model") for run in (one, two))
     assert all((w2[k] - w1[k]).norm() <= 1e-3 * w1[k].norm() for k in w1)
+
+
+def two_one_resumed(run: Callable[[str, str, int, list[str]], dict], config: str, extra: list[str]) -> dict:
+    """The runs that the 1-vs-2 and resume checks compare, by `run(name, config, nproc, overrides)`: "two" on 2
+    processes with a checkpoint every step, "one" the same on 1, "resumed" on 2 again from two's step-1 checkpoint."""
+    two = run("two", config, 2, extra)
+    return {"two": two, "one": run("one", config, 1, extra),
+            "resumed": run("resumed", config, 2, [*extra, f"checkpoint.resume={two['dir']}/checkpoints/step_00000001"])}
 
 
 def assert_resumed_step_exact(two: dict, resumed: dict) -> None:

@@ -12,11 +12,14 @@ Five short runs of the real recipe through torchrun (8 images a step, 4 steps a 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from tests import ROOT, TINY_FLUX2
-from tests.recipe.launch import SMALL, assert_resumed_step_exact, assert_two_steps_agree, run_recipe, train_rows
+from tests.recipe.launch import (SMALL, assert_resumed_step_exact, assert_two_steps_agree, run_recipe, train_rows,
+                                 two_one_resumed)
 
 pytestmark = pytest.mark.skipif(not (TINY_FLUX2 / "model_index.json").exists(), reason="tiny FLUX.2 not built")
 GRPO, FULL, NFT = (f"recipes/configs/tiny_flux2/{n}.yaml" for n in ("grpo_lora", "grpo_full", "nft_lora"))
@@ -35,14 +38,9 @@ def _run(tmp, name: str, config: str, nproc: int, extra: list[str]) -> dict:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("flux2")
     grpo = ["max_steps=2", "checkpoint.every=1", "checkpoint.keep=2", "optim.lr=1e-2"]
-    two = _run(tmp, "two", GRPO, 2, grpo)
-    return {
-        "two": two,
-        "one": _run(tmp, "one", GRPO, 1, grpo),
-        "resumed": _run(tmp, "resumed", GRPO, 2, [*grpo, f"checkpoint.resume={two['dir']}/checkpoints/step_00000001"]),
-        "full": _run(tmp, "full", FULL, 2, ["max_steps=1", "checkpoint.every=1", "optim.lr=1e-3"]),
-        "nft": _run(tmp, "nft", NFT, 2, ["max_steps=2", "checkpoint.every=0"]),
-    }
+    return {**two_one_resumed(functools.partial(_run, tmp), GRPO, grpo),
+            "full": _run(tmp, "full", FULL, 2, ["max_steps=1", "checkpoint.every=1", "optim.lr=1e-3"]),
+            "nft": _run(tmp, "nft", NFT, 2, ["max_steps=2", "checkpoint.every=0"])}
 
 
 def test_the_first_pass_ratio_is_exactly_one(runs):

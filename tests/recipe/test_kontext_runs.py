@@ -13,13 +13,15 @@ edit. The slow tier (-m slow) has four more (8 images a step, 4 steps a trajecto
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
 
 from tests import EDITS, ROOT, TINY_KONTEXT
-from tests.recipe.launch import SMALL, assert_resumed_step_exact, assert_two_steps_agree, run_recipe, train_rows
+from tests.recipe.launch import (SMALL, assert_resumed_step_exact, assert_two_steps_agree, run_recipe, train_rows,
+                                 two_one_resumed)
 
 pytestmark = pytest.mark.skipif(not (TINY_KONTEXT / "model_index.json").exists(), reason="tiny Kontext not built")
 GRPO, NFT = (f"recipes/configs/tiny_kontext/{n}.yaml" for n in ("grpo_lora", "nft_lora"))
@@ -61,13 +63,8 @@ def test_kontext_trains_on_two_processes_and_its_lora_edits_in_diffusers(tmp_pat
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("kontext")
     grpo = ["max_steps=2", "checkpoint.every=1", "checkpoint.keep=2", "optim.lr=1e-2"]
-    two = _run(tmp, "two", GRPO, 2, grpo)
-    return {
-        "two": two,
-        "one": _run(tmp, "one", GRPO, 1, grpo),
-        "resumed": _run(tmp, "resumed", GRPO, 2, [*grpo, f"checkpoint.resume={two['dir']}/checkpoints/step_00000001"]),
-        "nft": _run(tmp, "nft", NFT, 2, ["max_steps=2", "checkpoint.every=0"]),
-    }
+    return {**two_one_resumed(functools.partial(_run, tmp), GRPO, grpo),
+            "nft": _run(tmp, "nft", NFT, 2, ["max_steps=2", "checkpoint.every=0"])}
 
 
 @pytest.mark.slow
