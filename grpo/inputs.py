@@ -139,8 +139,9 @@ def check_prompt_sets(cfg: RecipeConfig, model_path: str) -> None:
     for setting, source in sources.items():
         if source:
             rows = prompts.read_prompt_set(source, setting)
-            check_reward_metadata(cfg.rewards, rows, setting, source)
+            # the model's needs first: a row without the image the family edits is the dataset's first fault
             family.check_references(rows, setting, source, model_path)
+            check_reward_metadata(cfg.rewards, rows, setting, source)
 
 
 def check_output_dir(path: str) -> None:

@@ -26,11 +26,14 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grpo.errors import ConfigError
 
-__all__ = ["PromptSet", "read_prompt_set", "read_prompt_file", "row_images", "IMAGE_FIELDS"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["PromptSet", "read_prompt_set", "read_prompt_file", "row_images", "read_image", "IMAGE_FIELDS"]
 
 IMAGE_FIELDS = ("image", "images")  # reference images of a row: paths, checked and made absolute
 FORMATS = "a text file (one prompt per line), a .jsonl or .parquet file, a datasets save_to_disk folder or a hub id"
@@ -59,6 +62,21 @@ def row_images(metadata: dict[str, Any]) -> list[str]:
         value = metadata.get(field)
         out += [] if value is None else value if isinstance(value, list) else [value]
     return out
+
+
+def read_image(path: str, size: int | None = None) -> torch.Tensor:
+    """A row's image as float32 [3, H, W] in [0, 1] (RGB, as diffusers' load_image converts it), resized to
+    size x size (bicubic, as the pipelines' image processors resize) when given."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image = image.convert("RGB")
+        if size is not None and image.size != (size, size):
+            image = image.resize((size, size), Image.BICUBIC)
+        pixels = np.asarray(image, dtype=np.float32) / 255.0
+    return torch.from_numpy(pixels).permute(2, 0, 1).contiguous()
 
 
 def read_prompt_file(path: str | Path, setting: str = "data.train_prompts") -> list[str]:

@@ -1,8 +1,9 @@
 """Rewards computed by code, without a model: the tiny world's score (from the prompt text, or from each sample's
-metadata) and DDPO's JPEG rewards."""
+metadata), its editing score (from each edit's metadata and source image) and DDPO's JPEG rewards."""
 
 from __future__ import annotations
 
+import functools
 import io
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,7 @@ from grpo.rewards.base import Reward
 from grpo.rewards.options import CommonOptions
 from grpo.schema import setting
 
-__all__ = ["TinyWorldReward", "TinyWorldMetaReward", "JpegIncompressibility", "JpegCompressibility", "jpeg_kilobytes"]
+__all__ = ["TinyWorldReward", "TinyWorldMetaReward", "TinyEditReward", "JpegIncompressibility", "JpegCompressibility", "jpeg_kilobytes"]
 
 
 class TinyWorldReward(Reward):
@@ -61,6 +62,41 @@ class TinyWorldMetaReward(TinyWorldReward):
 
     def score_samples(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
         return self.world.score_scenes(images, [self.world.scene(m) for m in metadata])
+
+
+class TinyEditReward(TinyWorldReward):
+    """grpo.tiny.world.edit_score of each edit: the edited scene its metadata names (color, shape, background) and
+    the placement of its source image's shape (the row's image, of the scene its "source" prompt names), the rows
+    of assets/prompts/tiny_edit_*.jsonl."""
+
+    DESCRIPTION = ("tiny world's editing reward (grpo.tiny.world.edit_score): the edited scene of each row's "
+                   "metadata, kept where the source image's shape is; in [0, 1]")
+
+    @classmethod
+    def check_metadata(cls, metadata: dict, options: dict[str, Any]) -> None:
+        from grpo.prompt_sets import row_images
+        from grpo.tiny import world
+
+        world.scene(metadata)
+        if len(row_images(metadata)) != 1 or not isinstance(metadata.get("source"), str):
+            raise ValueError("needs one source image (\"image\") and its scene's prompt (\"source\"), as the rows "
+                             "of assets/prompts/tiny_edit_train.jsonl have")
+        world.parse(metadata["source"])
+
+    def score_samples(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
+        from grpo.prompt_sets import row_images
+
+        sources = torch.stack([_source_image(row_images(m)[0]) for m in metadata]).to(images.device)
+        return self.world.edit_score(images, [self.world.scene(m) for m in metadata], sources,
+                                     [self.world.parse(m["source"]) for m in metadata])
+
+
+@functools.lru_cache(maxsize=256)
+def _source_image(path: str) -> Tensor:
+    """A source image, read once per path: a group's samples share it."""
+    from grpo.prompt_sets import read_image
+
+    return read_image(path)
 
 
 def jpeg_kilobytes(images: Tensor, quality: int = 95) -> Tensor:

@@ -42,6 +42,7 @@ REGISTRY: dict[str, str] = {
     "aesthetic": "grpo.rewards.aesthetic:AestheticReward",
     "tiny_world": "grpo.rewards.programmatic:TinyWorldReward",
     "tiny_world_meta": "grpo.rewards.programmatic:TinyWorldMetaReward",
+    "tiny_edit": "grpo.rewards.programmatic:TinyEditReward",
     "jpeg_compressibility": "grpo.rewards.programmatic:JpegCompressibility",
     "jpeg_incompressibility": "grpo.rewards.programmatic:JpegIncompressibility",
     "remote": "grpo.rewards.remote:RemoteReward",

@@ -33,8 +33,8 @@ import torch
 from torch import Tensor
 
 from grpo.errors import ConfigError
+from grpo.prompt_sets import row_images
 from grpo.rewards.base import Reward, to_uint8
-from grpo.prompt_sets import IMAGE_FIELDS
 from grpo.rewards.client import Service, ServiceError, ServiceOptions
 from grpo.schema import setting
 
@@ -90,15 +90,6 @@ def file_data_url(path: str) -> str:
 
     with Image.open(path) as image:
         return png_data_url(np.asarray(image.convert("RGB")))
-
-
-def source_paths(metadata: dict) -> list[str]:
-    """A row's image paths (grpo/prompt_sets.py made them absolute): `image`, then `images`."""
-    found = []
-    for field in IMAGE_FIELDS:
-        value = metadata.get(field)
-        found += [value] if isinstance(value, str) else list(value or [])
-    return found
 
 
 def template_fields(template: str) -> list[str]:
@@ -182,7 +173,7 @@ class VLMJudgeReward(Reward):
         """The chat of one image: [system], user (the row's source images, the image, then the template text)."""
         metadata = metadata or {}
         values = {f: metadata.get(f) for f in self.fields if f != "prompt"}
-        sources = source_paths(metadata) if self.options["source_images"] else []
+        sources = row_images(metadata) if self.options["source_images"] else []
         user = {"role": "user", "content": [
             *({"type": "image_url", "image_url": {"url": file_data_url(path)}} for path in sources),
             {"type": "image_url", "image_url": {"url": png_data_url(image)}},

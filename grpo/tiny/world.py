@@ -163,6 +163,13 @@ def _edited(source: tuple[str, str, str], kind: str) -> tuple[str, str, str]:
     return (new, s, b) if kind == "color" else (c, s, new)
 
 
+def all_edits() -> list[tuple[str, str, str]]:
+    """Every edit of the world, in a fixed order: (source prompt, kind, target prompt) for each source scene and
+    each of EDIT_KINDS."""
+    return [(source, kind, TEMPLATE.format(**dict(zip(SCENE_FIELDS, _edited(parse(source), kind)))))
+            for source in all_prompts() for kind in EDIT_KINDS]
+
+
 def edit_rows(per_split: tuple[int, int] = (24, 8)) -> tuple[list[dict], list[dict]]:
     """(train, held-out) edits of the world for image-conditioned models (FLUX.1-Kontext): each row's source scene is
     edited in one part (EDIT_KINDS, in turn), and its prompt is the edited scene's world prompt, the instruction in
@@ -173,7 +180,7 @@ def edit_rows(per_split: tuple[int, int] = (24, 8)) -> tuple[list[dict], list[di
     rows: tuple[list[dict], list[dict]] = ([], [])
     for i, source in enumerate(all_prompts()):
         kind = EDIT_KINDS[i % len(EDIT_KINDS)]
-        target = TEMPLATE.format(**dict(zip(("color", "shape", "background"), _edited(parse(source), kind))))
+        target = TEMPLATE.format(**dict(zip(SCENE_FIELDS, _edited(parse(source), kind))))
         split = 0 if target in train_targets else 1
         assert target in train_targets or target in heldout_targets
         if len(rows[split]) < per_split[split]:
@@ -186,21 +193,27 @@ def edit_files(size: int = 64, seed: int = 0) -> dict[str, bytes]:
     """The bytes of assets/prompts/tiny_edit_{train,heldout}.jsonl and of the source images they name (PNG, `size`
     px, rendered with the world's jitter from `seed` and the image's number): what python -m tools.tiny_prompts
     writes."""
-    import io
-
-    from PIL import Image
-
     files = {}
     for name, rows in zip(("tiny_edit_train", "tiny_edit_heldout"), edit_rows()):
         files[f"{name}.jsonl"] = "".join(json.dumps(r) + "\n" for r in rows).encode()
         for r in rows:
             number = int(r["image"].split("/")[-1].split(".")[0])
             image = render([r["source"]], size, torch.Generator().manual_seed(seed * 1000 + number))[0]
-            pixels = (image * 255).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
-            buffer = io.BytesIO()
-            Image.fromarray(pixels).save(buffer, format="PNG", optimize=True)
-            files[r["image"]] = buffer.getvalue()
+            files[r["image"]] = png_bytes(image)
     return files
+
+
+def png_bytes(image: torch.Tensor) -> bytes:
+    """A [3, H, W] image in [0, 1] as PNG bytes (8 bits, lossless for the world's renders, whose channels are 0 or
+    1)."""
+    import io
+
+    from PIL import Image
+
+    pixels = (image * 255).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG", optimize=True)
+    return buffer.getvalue()
 
 
 def _parts(parsed: list[tuple[str, str, str]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -251,13 +264,38 @@ def render(
     Returns:
         float32 [B, 3, size, size] in [0, 1].
     """
-    device = torch.device(device)
-    fg, bg, shape = _parts([parse(p) for p in prompts], device)
-    n = len(prompts)
-    u = torch.rand(n, 3, generator=generator).to(device)
+    return _draw([parse(p) for p in prompts], *_placements(len(prompts), generator, device), size)
+
+
+def render_edits(
+    sources: list[str], targets: list[str], size: int = 64, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Source and edited images of B edits, each pair with one placement (centre and size): a right edit changes
+    what its instruction names and keeps where the shape is and how big, which `edit_terms` grades.
+
+    Returns:
+        (sources, targets), float32 [B, 3, size, size] each in [0, 1].
+    """
+    placement = _placements(len(sources), generator, "cpu")
+    return (_draw([parse(p) for p in sources], *placement, size),
+            _draw([parse(p) for p in targets], *placement, size))
+
+
+def _placements(
+    n: int, generator: torch.Generator | None, device: str | torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """n random (centre x, centre y, half-extent) as fractions of the side, [n] each."""
+    u = torch.rand(n, 3, generator=generator).to(torch.device(device))
     cx = 0.5 + (2 * u[:, 0] - 1) * JITTER
     cy = 0.5 + (2 * u[:, 1] - 1) * JITTER
     r = RADIUS_MIN + u[:, 2] * (RADIUS_MAX - RADIUS_MIN)
+    return cx, cy, r
+
+
+def _draw(scenes: list[tuple[str, str, str]], cx: torch.Tensor, cy: torch.Tensor, r: torch.Tensor,
+          size: int) -> torch.Tensor:
+    fg, bg, shape = _parts(scenes, cx.device)
+    n = len(scenes)
     mask = _shape_masks(shape, cx, cy, r, size).unsqueeze(1)  # [B, 1, H, W]
     return bg.view(n, 3, 1, 1) * (1 - mask) + fg.view(n, 3, 1, 1) * mask
 
@@ -268,6 +306,21 @@ def _membership(images: torch.Tensor, colors: torch.Tensor) -> torch.Tensor:
     return torch.exp(-d2 / (2 * COLOR_TAU**2))
 
 
+def _box(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The robust bounding box of a soft mask [B, H, W]: first and last row, first and last column ([B] each, pixel
+    indices) whose mass reaches BOX_CUT of the fullest one's (and 1 px), so a faint haze does not stretch it."""
+
+    def span(profile: torch.Tensor) -> torch.Tensor:
+        cut = torch.clamp(BOX_CUT * profile.amax(-1, keepdim=True), min=1.0)
+        return profile >= cut  # [B, L]
+
+    def extent(active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.arange(active.shape[-1], device=active.device)
+        return torch.where(active, idx, idx.numel()).amin(-1), torch.where(active, idx, -1).amax(-1)
+
+    return (*extent(span(mask.sum(-1))), *extent(span(mask.sum(-2))))
+
+
 def _box_stats(mask: torch.Tensor) -> torch.Tensor:
     """Form descriptors of a soft mask [B, H, W] inside its robust bounding box.
 
@@ -275,24 +328,9 @@ def _box_stats(mask: torch.Tensor) -> torch.Tensor:
         [B, 2]: fill ratio (mask mass / box area) and top share (mass in the upper half of the box / mass in the box),
         both in [0, 1]. Square (1, 1/2), circle (pi/4, 1/2), apex-up triangle (1/2, 1/4), up to the box cut.
     """
-
-    def span(profile: torch.Tensor) -> torch.Tensor:
-        cut = torch.clamp(BOX_CUT * profile.amax(-1, keepdim=True), min=1.0)
-        return profile >= cut  # [B, L]
-
-    rows, cols = span(mask.sum(-1)), span(mask.sum(-2))
-    n = mask.shape[-1]
+    r0, r1, c0, c1 = _box(mask)
     idx_r = torch.arange(mask.shape[-2], device=mask.device)
-    idx_c = torch.arange(n, device=mask.device)
-
-    def extent(active: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        big = idx.numel()
-        lo = torch.where(active, idx, big).amin(-1)
-        hi = torch.where(active, idx, -1).amax(-1)
-        return lo, hi
-
-    r0, r1 = extent(rows, idx_r)
-    c0, c1 = extent(cols, idx_c)
+    idx_c = torch.arange(mask.shape[-1], device=mask.device)
     inside = (
         (idx_r.view(1, -1, 1) >= r0.view(-1, 1, 1))
         & (idx_r.view(1, -1, 1) <= r1.view(-1, 1, 1))
@@ -381,3 +419,49 @@ def score_scenes(images: torch.Tensor, scenes: list[tuple[str, str, str]]) -> to
     """`score` for scenes (color, shape, background), e.g. read by `scene` from each sample's metadata."""
     terms = scene_terms(images, scenes)
     return ((terms["background"] + terms["presence"] + terms["form"]) / 3).float()
+
+
+def placement(images: torch.Tensor, colors: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where the shape of each image is: (centre x, centre y, half-extent) as fractions of the side, [B] each, read
+    from the robust bounding box of the pixels of its colour (every shape of the world fills a 2r x 2r box)."""
+    x = images.detach().float().clamp(0, 1)
+    fg = torch.tensor([COLORS[c] for c in colors], dtype=torch.float32, device=x.device)
+    r0, r1, c0, c1 = (v.float() for v in _box(_membership(x, fg)))
+    h, w = x.shape[-2:]
+    half = ((r1 - r0 + 1) / h + (c1 - c0 + 1) / w) / 4
+    return (c0 + c1 + 1) / (2 * w), (r0 + r1 + 1) / (2 * h), half.clamp(min=0)
+
+
+def edit_terms(images: torch.Tensor, targets: list[tuple[str, str, str]], sources: torch.Tensor,
+               source_scenes: list[tuple[str, str, str]]) -> dict[str, torch.Tensor]:
+    """The terms of `edit_score`, each float32 [B] in [0, 1]: `scene_terms` of the edited scene (is the instruction
+    followed: background, presence, form) and `placement`: the soft IoU of the image's shape-colour pixels with the
+    target shape drawn where the source's shape is, at its size (is the rest of the image kept).
+
+    Args:
+        images: [B, 3, H, W] edits in [0, 1].
+        targets: B scenes the edits should show (what the rows' metadata name).
+        sources: [B, 3, h, w] the source images in [0, 1] (resized to H x W when they differ).
+        source_scenes: B scenes the sources show (the rows' "source" prompts, parsed).
+    """
+    terms = scene_terms(images, targets)
+    x = images.detach().float().clamp(0, 1)
+    src = sources.detach().float().to(x.device)
+    if src.shape[-2:] != x.shape[-2:]:
+        src = torch.nn.functional.interpolate(src, size=x.shape[-2:], mode="nearest")
+    fg, _, shape = _parts(targets, x.device)
+    ideal = _shape_masks(shape, *placement(src, [c for c, _, _ in source_scenes]), x.shape[-1])
+    got = _membership(x, fg)
+    union = torch.maximum(got, ideal).sum((-2, -1))
+    terms["placement"] = torch.where(union > 0, torch.minimum(got, ideal).sum((-2, -1)) / union.clamp(min=1e-6),
+                                     torch.zeros_like(union))
+    return terms
+
+
+def edit_score(images: torch.Tensor, targets: list[tuple[str, str, str]], sources: torch.Tensor,
+               source_scenes: list[tuple[str, str, str]]) -> torch.Tensor:
+    """Programmatic editing reward: the mean of `edit_terms`' four terms, float32 [B] in [0, 1]. The right edit
+    (the target rendered at the source's placement) scores ~1; the source returned unchanged ~0.25 for a colour
+    edit, ~0.6 for a shape edit and ~0.75 for a background edit (its shape is already right and in place)."""
+    terms = edit_terms(images, targets, sources, source_scenes)
+    return (sum(terms.values()) / len(terms)).float()

@@ -148,3 +148,44 @@ def test_score_has_no_gradient_and_checks_shapes(prompts, images):
     assert not world.score(x, prompts[:2]).requires_grad
     with pytest.raises(ValueError, match="do not match"):
         world.score(images[:2], prompts[:3])
+
+
+def test_every_edit_changes_one_part_and_the_held_out_targets_are_never_trained():
+    edits = world.all_edits()
+    assert len(edits) == len(world.all_prompts()) * len(world.EDIT_KINDS)
+    for source, kind, target in edits:
+        changed = [f for f, a, b in zip(world.SCENE_FIELDS, world.parse(source), world.parse(target)) if a != b]
+        assert changed == [kind]
+    train, heldout = map(set, world.split_prompts())
+    assert sum(t in heldout for *_, t in edits) == 54 and sum(t in train for *_, t in edits) == 216
+
+
+def test_an_edit_pair_shares_its_placement_and_placement_reads_it_back():
+    sources, kinds, targets = zip(*world.all_edits()[:60])
+    s, t = world.render_edits(list(sources), list(targets), 64, torch.Generator().manual_seed(1))
+    cx, cy, r = world._placements(60, torch.Generator().manual_seed(1), "cpu")
+    for images, prompts in ((s, sources), (t, targets)):
+        got = world.placement(images, [world.parse(p)[0] for p in prompts])
+        for a, b in zip(got, (cx, cy, r)):
+            assert (a - b).abs().max() <= 1.5 / 64  # within a pixel and a half at 64 px
+    # the source of a pair is the plain render of its prompt from the same generator state
+    assert torch.equal(s, world.render(list(sources), 64, torch.Generator().manual_seed(1)))
+
+
+def test_the_edit_score_grades_following_the_instruction_and_keeping_the_placement():
+    sources, kinds, targets = map(list, zip(*world.all_edits()))
+    s, t = world.render_edits(sources, targets, 64, torch.Generator().manual_seed(2))
+    scenes, source_scenes = [world.parse(p) for p in targets], [world.parse(p) for p in sources]
+    right = world.edit_score(t, scenes, s, source_scenes)
+    unchanged = world.edit_score(s, scenes, s, source_scenes)
+    moved = world.edit_score(world.render(targets, 64, torch.Generator().manual_seed(3)), scenes, s, source_scenes)
+    assert right.min() > 0.9 and right.mean() > 0.97
+    by_kind = {k: unchanged[[i for i, x in enumerate(kinds) if x == k]].mean().item() for k in world.EDIT_KINDS}
+    assert by_kind["color"] < 0.3 and 0.55 < by_kind["shape"] < 0.7 and 0.7 < by_kind["background"] < 0.8
+    assert (moved < right).float().mean() > 0.9 and moved.mean() < right.mean() - 0.08  # the right scene elsewhere
+    terms = world.edit_terms(t, scenes, s, source_scenes)
+    assert set(terms) == {"background", "presence", "form", "placement"}
+    assert torch.allclose(sum(terms.values()) / 4, right)
+    # the source may come at another size: it is resized to the edit's
+    big = torch.nn.functional.interpolate(s, scale_factor=2, mode="nearest")
+    assert torch.allclose(world.edit_score(t, scenes, big, source_scenes), right, atol=0.02)
