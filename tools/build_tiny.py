@@ -5,12 +5,14 @@
     python -m tools.build_tiny --family flux2 --out assets/tiny-flux2 [same flags]
     python -m tools.build_tiny --family flux2-dev --untrained --out OUT
     python -m tools.build_tiny --family flux1-kontext --out assets/tiny-flux-kontext [--init-from assets/tiny-flux]
+        [--transformer-steps N]
 
 `--family flux1` (the default) builds a FluxPipeline (FLUX.1 layout), described below; `--family flux2` builds a
 Flux2KleinPipeline (FLUX.2 [klein] layout) through the same phases, with the parts in `tools/build_tiny_flux2.py`;
 `--family flux2-dev` an untrained Flux2Pipeline (FLUX.2 [dev] layout: Mistral3 text encoder, guidance embedding),
-from the same file. `--family flux1-kontext` trains nothing: it lays an existing FLUX.1 build (`--init-from`, default
-assets/tiny-flux) out as a FluxKontextPipeline folder (tools/build_tiny_kontext.py; `--copy` for copies, not links).
+from the same file. `--family flux1-kontext` lays an existing FLUX.1 build (`--init-from`, default assets/tiny-flux)
+out as a FluxKontextPipeline folder, its transformer trained to edit with `--transformer-steps`
+(tools/build_tiny_kontext.py; `--copy` for copies, not links).
 
 Phases (each logged with its time):
 
@@ -724,7 +726,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--family", choices=("flux1", "flux2", "flux2-dev", "flux1-kontext"), default="flux1",
                    help="flux1: FluxPipeline (default); flux2: Flux2KleinPipeline; flux2-dev: Flux2Pipeline, untrained "
                         "only (tools/build_tiny_flux2.py); flux1-kontext: the --init-from FLUX.1 build as a "
-                        "FluxKontextPipeline folder (tools/build_tiny_kontext.py)")
+                        "FluxKontextPipeline folder, its transformer trained to edit with --transformer-steps "
+                        "(tools/build_tiny_kontext.py)")
     p.add_argument("--copy", action="store_true", help="flux1-kontext: copy the components instead of linking them")
     p.add_argument("--untrained", action="store_true",
                    help="no training and no evaluation, in seconds (build_tiny.UNTRAINED)")
@@ -760,11 +763,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.family == "flux1-kontext":
         from tools.build_tiny_kontext import SOURCE, build_kontext
 
-        trained = [a for a in ("vae_steps", "transformer_steps", "decoder_steps", "untrained")
-                   if getattr(args, a) != p.get_default(a)]
-        if trained:
-            raise SystemExit(f"--{trained[0].replace('_', '-')}: --family flux1-kontext trains nothing; drop it")
-        print(build_kontext(args.out, args.init_from or SOURCE, copy=args.copy))
+        given = {a for a in vars(args) if getattr(args, a) != p.get_default(a)}
+        other = sorted(given - {"family", "out", "init_from", "copy", "threads", "transformer_steps",
+                                "transformer_batch", "transformer_lr", "shift", "images_per_prompt", "seed",
+                                "eval_steps", "eval_seeds"})
+        if other:
+            raise SystemExit(f"--{other[0].replace('_', '-')}: --family flux1-kontext trains the transformer only "
+                             "(--transformer-steps); drop it")
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        torch.set_num_threads(args.threads)
+        # Without --transformer-steps the folder is a layout of the source only (its transformer never edits).
+        steps = args.transformer_steps if "transformer_steps" in given else 0
+        print(build_kontext(args.out, args.init_from or SOURCE, copy=args.copy, transformer_steps=steps,
+                            transformer_batch=args.transformer_batch, transformer_lr=args.transformer_lr,
+                            shift=args.shift, images_per_prompt=args.images_per_prompt, seed=args.seed,
+                            eval_steps=args.eval_steps, eval_seeds=args.eval_seeds))
         return
     if args.copy:
         raise SystemExit("--copy: a flux1-kontext option (--family flux1-kontext)")

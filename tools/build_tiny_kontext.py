@@ -1,34 +1,57 @@
 """The tiny FLUX.1-Kontext folder: the trained tiny FLUX.1 world model (assets/tiny-flux) laid out as a
-FluxKontextPipeline, which has FluxPipeline's components (the same transformer class, VAE, text encoders, scheduler).
+FluxKontextPipeline, which has FluxPipeline's components (the same transformer class, VAE, text encoders, scheduler),
+with its transformer pretrained to edit.
 
     python -m tools.build_tiny --family flux1-kontext --out assets/tiny-flux-kontext [--init-from assets/tiny-flux]
+        [--transformer-steps N --transformer-lr LR --transformer-batch B --images-per-prompt K --seed S]
 
-Nothing is trained: the folder is the source's model_index.json with `_class_name` FluxKontextPipeline and the
-source's component folders. By default they are relative symbolic links, so assets/tiny-flux-kontext is a few
-hundred bytes and can never drift from assets/tiny-flux (`copy=True` writes real copies, e.g. for a filesystem
-without links). The tiny transformer never saw reference tokens: it serves the Kontext code path (parity with the
-pipeline, the recipe's runs, export), not as an editing model.
+The folder is the source's model_index.json with `_class_name` FluxKontextPipeline and the source's component
+folders: relative symbolic links by default, so they can never drift from assets/tiny-flux (`copy=True` writes real
+copies, e.g. for a filesystem without links). Without `--transformer-steps` the transformer is the source's too,
+which never saw reference tokens: such a folder serves the Kontext code path only (parity, runs, export).
+
+With `--transformer-steps N` the transformer is a real copy, trained N rectified-flow steps (tools/build_tiny.py's
+`flow_matching`) to edit: the target latents of the world's edits (grpo.tiny.world.all_edits whose target scene is a
+training prompt; held-out targets are never seen), conditioned as FluxKontextPipeline conditions its call (the target
+scene's prompt, guidance 3.5, the source image's packed latents appended after the noisy tokens with first RoPE
+coordinate 1). Each edit's source and target are rendered with one placement (world.render_edits), so what it learns
+is to change what the prompt names and keep where the shape is. The build ends with the held-out edits sampled by
+FluxKontextPipeline and graded by world.edit_score, next to the source returned unchanged and to the right edit
+(`build_info.json`, `eval`).
 """
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import shutil
+import time
 from pathlib import Path
+
+import torch
+
+from grpo.tiny import world
+
+logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "assets" / "tiny-flux"
 PIPELINE = "FluxKontextPipeline"
 
 
-def build_kontext(out: Path, source: Path = SOURCE, copy: bool = False) -> Path:
-    """Write the Kontext folder `out` from the FluxPipeline folder `source`; returns `out`."""
+def build_kontext(out: Path, source: Path = SOURCE, copy: bool = False, transformer_steps: int = 0,
+                  transformer_batch: int = 32, transformer_lr: float = 3e-4, shift: float = 3.0,
+                  images_per_prompt: int = 8, seed: int = 0, eval_steps: int = 6, eval_seeds: int = 2) -> Path:
+    """Write the Kontext folder `out` from the FluxPipeline folder `source` (its transformer trained to edit when
+    transformer_steps > 0: `train_edits`, then `evaluate`); returns `out`."""
     out, source = Path(out), Path(source)
     index = json.loads((source / "model_index.json").read_text())
     if index.get("_class_name") != "FluxPipeline":
         raise SystemExit(f"--init-from: {source} is a {index.get('_class_name')}, not a FluxPipeline folder")
     out.mkdir(parents=True, exist_ok=True)
+    trained = {"transformer"} if transformer_steps > 0 else set()
     for name, spec in index.items():
         if name.startswith("_") or not isinstance(spec, list) or spec[0] is None or not (source / name).is_dir():
             continue
@@ -37,13 +60,113 @@ def build_kontext(out: Path, source: Path = SOURCE, copy: bool = False) -> Path:
             target.unlink()
         elif target.is_dir():
             shutil.rmtree(target)
-        if copy:
+        if copy or name in trained:
             shutil.copytree(source / name, target)
         else:
             target.symlink_to(os.path.relpath(source / name, out), target_is_directory=True)
     (out / "model_index.json").write_text(json.dumps({**index, "_class_name": PIPELINE}, indent=2) + "\n")
-    (out / "build_info.json").write_text(json.dumps(
-        {"family": "flux1-kontext", "from": os.path.relpath(source, out), "copy": copy,
-         "note": "the source's weights, unchanged, under FluxKontextPipeline (tools/build_tiny_kontext.py)"},
-        indent=2) + "\n")
+    info = {"family": "flux1-kontext", "from": os.path.relpath(source, out), "copy": copy,
+            "note": "the source's weights, unchanged, under FluxKontextPipeline (tools/build_tiny_kontext.py)"}
+    if transformer_steps > 0:
+        from diffusers import FluxKontextPipeline
+
+        pipe = FluxKontextPipeline.from_pretrained(out, dtype=torch.float32)
+        pipe.set_progress_bar_config(disable=True)
+        generator = torch.Generator().manual_seed(seed)
+        start = time.perf_counter()
+        train_edits(pipe, transformer_steps, transformer_batch, transformer_lr, shift, images_per_prompt, generator)
+        seconds = {"transformer": round(time.perf_counter() - start, 1)}
+        pipe.transformer.save_pretrained(out / "transformer")
+        info = {"family": "flux1-kontext", "from": os.path.relpath(source, out), "copy": copy, "seed": seed,
+                "transformer_steps": transformer_steps, "transformer_batch": transformer_batch,
+                "transformer_lr": transformer_lr, "shift": shift, "images_per_prompt": images_per_prompt,
+                "threads": torch.get_num_threads(),
+                "note": "the source's components under FluxKontextPipeline, the transformer trained to edit "
+                        "(tools/build_tiny_kontext.py)"}
+        if eval_seeds > 0:
+            start = time.perf_counter()
+            info["eval"] = evaluate(pipe, eval_steps, list(range(eval_seeds)))
+            seconds["evaluate"] = round(time.perf_counter() - start, 1)
+            logger.info("held-out edits: %s", info["eval"])
+        info["seconds"] = seconds
+    (out / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     return out
+
+
+def train_edits(pipe, steps: int, batch: int, lr: float, shift: float, images_per_prompt: int,
+                generator: torch.Generator) -> None:
+    """Rectified-flow training of the FluxKontextPipeline `pipe.transformer` on the world's training edits,
+    `images_per_prompt` renders (source and target with one placement) of each, conditioned as the pipeline's call."""
+    from tools.build_tiny import GUIDANCE, MAX_SEQUENCE_LENGTH, RESOLUTION, encode_latents, flow_matching
+
+    train_targets = set(world.split_prompts()[0])
+    edits = [(s, t) for s, _, t in world.all_edits() if t in train_targets]
+    with torch.no_grad():
+        prompt_embeds, pooled, text_ids = pipe.encode_prompt(
+            [t for _, t in edits], prompt_2=None, device=torch.device("cpu"), max_sequence_length=MAX_SEQUENCE_LENGTH
+        )
+        edit_of = torch.arange(len(edits)).repeat_interleave(images_per_prompt)
+        sources, targets = world.render_edits([edits[i][0] for i in edit_of], [edits[i][1] for i in edit_of],
+                                              RESOLUTION, generator)
+        refs, latents = encode_latents(pipe, sources), encode_latents(pipe, targets)
+    logger.info("%d training edits x %d renders: latents %s", len(edits), images_per_prompt, tuple(latents.shape))
+    h = w = RESOLUTION // pipe.vae_scale_factor
+    img_ids = pipe._prepare_latent_image_ids(1, h // 2, w // 2, torch.device("cpu"), torch.float32)
+    ref_ids = img_ids.clone()
+    ref_ids[..., 0] = 1  # FluxKontextPipeline.prepare_latents: the reference grid's first coordinate
+    ids = torch.cat([img_ids, ref_ids])
+    guidance = torch.full((batch,), GUIDANCE)
+    transformer = pipe.transformer
+    tokens = latents.shape[1]
+
+    def predict(xt, sigma, cond, step):
+        e = edit_of[cond]
+        return transformer(
+            hidden_states=torch.cat([xt, refs[cond]], dim=1),
+            timestep=sigma,
+            guidance=guidance,
+            pooled_projections=pooled[e],
+            encoder_hidden_states=prompt_embeds[e],
+            txt_ids=text_ids,
+            img_ids=ids,
+            return_dict=False,
+        )[0][:, :tokens]
+
+    flow_matching(transformer, latents, torch.arange(len(edit_of)), predict, steps, batch, lr, shift, generator)
+
+
+@torch.no_grad()
+def evaluate(pipe, steps: int, seeds: list[int]) -> dict:
+    """world.edit_score of FluxKontextPipeline edits of every held-out edit (its target scene never trained on), one
+    per seed, next to the source returned unchanged and the right edit; with the mean per edit kind."""
+    from PIL import Image
+
+    from tools.build_tiny import GUIDANCE, MAX_SEQUENCE_LENGTH, RESOLUTION
+
+    heldout = set(world.split_prompts()[1])
+    edits = [e for e in world.all_edits() if e[2] in heldout]
+    src_prompts, kinds, tgt_prompts = map(list, zip(*edits))
+    scenes, src_scenes = [world.parse(t) for t in tgt_prompts], [world.parse(s) for s in src_prompts]
+    sampled, unchanged, right = [], [], []
+    for seed in seeds:
+        sources, targets = world.render_edits(src_prompts, tgt_prompts, RESOLUTION,
+                                              torch.Generator().manual_seed(10_000 + seed))
+        images = [Image.open(io.BytesIO(world.png_bytes(x))) for x in sources]
+        edited = pipe(image=images, prompt=tgt_prompts, height=RESOLUTION, width=RESOLUTION,
+                      max_area=RESOLUTION * RESOLUTION, _auto_resize=False, num_inference_steps=steps,
+                      guidance_scale=GUIDANCE, max_sequence_length=MAX_SEQUENCE_LENGTH,
+                      generator=torch.Generator().manual_seed(seed), output_type="pt").images
+        sampled.append(world.edit_score(edited, scenes, sources, src_scenes))
+        unchanged.append(world.edit_score(sources, scenes, sources, src_scenes))
+        right.append(world.edit_score(targets, scenes, sources, src_scenes))
+    sampled_all = torch.cat(sampled)
+    kind_of = kinds * len(seeds)
+    return {
+        "edits": "heldout", "count": len(edits), "num_inference_steps": steps, "seeds": len(seeds),
+        "edit_score_mean": round(sampled_all.mean().item(), 4),
+        "by_kind": {k: round(sampled_all[[i for i, x in enumerate(kind_of) if x == k]].mean().item(), 4)
+                    for k in world.EDIT_KINDS},
+        "unchanged_source_score_mean": round(torch.cat(unchanged).mean().item(), 4),
+        "right_edit_score_mean": round(torch.cat(right).mean().item(), 4),
+    }
+

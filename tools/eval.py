@@ -6,7 +6,8 @@ The held-out prompts are sampled (eta = 0, fixed noise) in one process without D
 
 checkpoint: a checkpoint folder or a run folder (default: the newest valid checkpoint under output_dir; the base
 model only when there is none). weights: auto (the EMA's when the checkpoint has them), ema or model. Writes
-``output_dir/eval/<checkpoint>/grid.png`` (one row per prompt: base | checkpoint) and ``scores.json``. The sampling
+``output_dir/eval/<checkpoint>/grid.png`` (one row per prompt: base | checkpoint; for an editing set source | base |
+checkpoint) and ``scores.json``. The sampling
 and scoring are the recipe's own (grpo/eval.py), so the images are those of the run's held-out evals.
 """
 
@@ -30,6 +31,7 @@ from grpo.inputs import load_ds_config, resolve_model_path
 from grpo.layout import derive_layout
 from grpo.models import family_of
 from grpo.metrics import save_grid
+from grpo.prompt_sets import read_image, row_images
 from grpo.prompts import ensure_cache, ensure_references, load_cache, read_prompt_set
 from grpo.rewards import build_rewards, check_reward_metadata, check_rewards, mix
 from grpo.rollout import FluxSampler
@@ -37,9 +39,9 @@ from grpo.rollout import FluxSampler
 log = logging.getLogger(__name__)
 
 
-def _side_by_side(base: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
-    """[N,3,H,W] x 2 -> [2N,3,H,W] ordered base_0, trained_0, base_1, ... (a 2-column grid: one prompt per row)."""
-    return torch.stack([base, trained], dim=1).flatten(0, 1)
+def _side_by_side(*columns: torch.Tensor) -> torch.Tensor:
+    """k x [N,3,H,W] -> [kN,3,H,W] ordered a_0, b_0, ..., a_1, b_1, ... (a k-column grid: one prompt per row)."""
+    return torch.stack(columns, dim=1).flatten(0, 1)
 
 
 def _summary(components: torch.Tensor, total: torch.Tensor, names: list[str], n_prompts: int) -> dict:
@@ -73,8 +75,8 @@ def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weight
     model_path = resolve_model_path(cfg.model.path, cfg.model.revision)
     check_rewards(cfg.rewards)
     rows = read_prompt_set(cfg.data.eval_prompts, "data.eval_prompts")
-    check_reward_metadata(cfg.rewards, rows, "data.eval_prompts", cfg.data.eval_prompts)
     family_of(model_path).check_references(rows, "data.eval_prompts", cfg.data.eval_prompts, model_path)
+    check_reward_metadata(cfg.rewards, rows, "data.eval_prompts", cfg.data.eval_prompts)
     if weights not in ("auto", "ema", "model"):
         raise ConfigError(f"weights: {weights!r}; use auto, ema or model")
     if checkpoint is None:
@@ -116,9 +118,12 @@ def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weight
     out = Path(out_dir) if out_dir else Path(cfg.output_dir) / "eval" / (found.name if found else "base")
     out.mkdir(parents=True, exist_ok=True)
     first = slice(0, len(cache))  # the first seed's image of every prompt: one row per prompt
-    grid = (_side_by_side(base_images[first], result["images"]["checkpoint"][first]) if found is not None
-            else base_images[first])
-    save_grid(grid, out / "grid.png", 2 if found is not None else min(len(cache), 8))
+    # An editing set's rows start with their source image (as the model saw it: at the sampling resolution).
+    sources = [torch.stack([read_image(row_images(m)[0], cfg.sampling.resolution) for m in cache.metadata])
+               ] if any(row_images(m) for m in cache.metadata) else []
+    columns = [*sources, base_images[first], *([result["images"]["checkpoint"][first]] if found is not None else [])]
+    grid = _side_by_side(*columns) if len(columns) > 1 else base_images[first]
+    save_grid(grid, out / "grid.png", len(columns) if len(columns) > 1 else min(len(cache), 8))
     (out / "scores.json").write_text(json.dumps({k: v for k, v in result.items() if k != "images"}, indent=1))
     result["dir"] = str(out)
     line = (f"held-out reward over {len(cache)} prompts x {cfg.logging.eval_seeds} seeds: "

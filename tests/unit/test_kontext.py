@@ -46,8 +46,12 @@ def test_the_folder_is_kontext_and_the_builders():
     index = json.loads((TINY_KONTEXT / "model_index.json").read_text())
     source = json.loads((TINY / "model_index.json").read_text())
     assert index == {**source, "_class_name": "FluxKontextPipeline"}
-    for name in ("transformer", "vae", "text_encoder_2"):  # the trained tiny FLUX.1's very files
+    for name in ("vae", "text_encoder", "text_encoder_2", "tokenizer", "scheduler"):  # the tiny FLUX.1's very files
         assert (TINY_KONTEXT / name).resolve() == (TINY / name).resolve()
+    # its own transformer, trained to edit (tools/build_tiny_kontext.py)
+    assert not (TINY_KONTEXT / "transformer").is_symlink()
+    info = json.loads((TINY_KONTEXT / "build_info.json").read_text())
+    assert info["transformer_steps"] > 0 and info["eval"]["edit_score_mean"] > info["eval"]["unchanged_source_score_mean"]
 
 
 @pytest.mark.parametrize("copy", [False, True])
@@ -59,8 +63,25 @@ def test_the_builder_writes_a_folder_kontext_loads(tmp_path, copy):
     assert (out / "transformer").is_symlink() is not copy
     pipe = FluxKontextPipeline.from_pretrained(str(out), local_files_only=True)
     assert type(pipe).__name__ == "FluxKontextPipeline" and family_of(out) is FLUX1_KONTEXT
-    with pytest.raises(SystemExit, match="--transformer-steps: --family flux1-kontext trains nothing"):
-        main(["--family", "flux1-kontext", "--out", str(out), "--transformer-steps", "5"])
+    with pytest.raises(SystemExit, match="--vae-steps: --family flux1-kontext trains the transformer only"):
+        main(["--family", "flux1-kontext", "--out", str(out), "--vae-steps", "5"])
+
+
+def test_the_builder_trains_a_copy_of_the_transformer_to_edit(tmp_path):
+    from safetensors.torch import load_file
+
+    from tools.build_tiny import main
+
+    out = tmp_path / "kontext"
+    main(["--family", "flux1-kontext", "--out", str(out), "--init-from", str(TINY), "--transformer-steps", "2",
+          "--transformer-batch", "4", "--images-per-prompt", "1", "--eval-seeds", "0"])
+    assert (out / "vae").is_symlink() and not (out / "transformer").is_symlink()
+    trained = load_file(out / "transformer/diffusion_pytorch_model.safetensors")
+    source = load_file(TINY / "transformer/diffusion_pytorch_model.safetensors")
+    assert trained.keys() == source.keys() and any(not torch.equal(trained[k], source[k]) for k in source)
+    info = json.loads((out / "build_info.json").read_text())
+    assert info["transformer_steps"] == 2 and "eval" not in info
+    assert FluxKontextPipeline.from_pretrained(str(out), local_files_only=True).transformer is not None
 
 
 def test_ode_rollout_reproduces_flux_kontext_pipeline(setup):
@@ -247,6 +268,9 @@ def test_the_planner_counts_the_reference_tokens():
     assert plan(klein, 2).image_tokens == 64
     assert plan(load_config(ROOT / "recipes/configs/tiny_flux2/grpo_lora.yaml",
                             [f"data.train_prompts={EDITS}"]), 2, family=FLUX2_KLEIN).image_tokens == 128
+    # the real klein editing preset: 512 px, 1024 noisy + 1024 reference tokens (configs shipped in tools/)
+    edit = load_config(ROOT / "recipes/configs/flux2_klein/edit_nft_lora.yaml", [f"data.train_prompts={EDITS}"])
+    assert plan(edit, 8, family=FLUX2_KLEIN).image_tokens == 2 * 1024
 
 
 def test_the_kontext_overlay_over_the_tiny_preset_is_the_kontext_preset():
@@ -283,3 +307,36 @@ def test_the_held_out_eval_samples_each_edit_from_its_source_image(tmp_path):
         image = sampler.decode(sample_heldout(parts.transformer, sampler, cache, [0], 1)[0])
         diffs.append((image - got["images"]["base"][:1]).abs().max().item())
     assert diffs[0] < 1e-5 and diffs[1] > 0.1, diffs  # 1e-5: the eval decodes 8 images a batch, here 1
+
+
+def test_the_tiny_edit_reward_reads_each_rows_target_scene_and_source_image(tmp_path):
+    from grpo.prompt_sets import read_image, row_images
+    from grpo.rewards import build_rewards, check_reward_metadata
+
+    rows = read_prompt_set(EDITS)
+    check_reward_metadata({"tiny_edit": 1.0}, rows, "data.train_prompts", str(EDITS))
+    reward = build_rewards({"tiny_edit": 1.0}, torch.device("cpu")).rewards["tiny_edit"]
+    sources, right = [], []
+    for prompt, meta in zip(rows.prompts, rows.metadata):
+        number = int(row_images(meta)[0].split("/")[-1].split(".")[0])  # world.edit_files' seed of the image
+        s, t = world.render_edits([meta["source"]], [prompt], 64, torch.Generator().manual_seed(number))
+        assert torch.equal(read_image(row_images(meta)[0]), s[0])  # the shipped source is that render, losslessly
+        sources.append(s[0])
+        right.append(t[0])
+    sources, right = torch.stack(sources), torch.stack(right)
+    scored = reward(right, rows.prompts, rows.metadata)
+    assert scored.min() > 0.9
+    expected = world.edit_score(sources, [world.scene(m) for m in rows.metadata], sources,
+                                [world.parse(m["source"]) for m in rows.metadata])
+    assert torch.equal(reward(sources, rows.prompts, rows.metadata), expected)
+    # the prompt text is not read: the target scene comes from the metadata
+    assert torch.equal(reward(right, ["a red circle on a blue background"] * len(rows), rows.metadata), scored)
+    bad = tmp_path / "bad.jsonl"
+    lines = EDITS.read_text().splitlines()
+    row = json.loads(lines[1])
+    row.pop("source")
+    row["image"] = str(EDITS.parent / row["image"])
+    bad.write_text(lines[0].replace('"tiny_edit/', f'"{EDITS.parent}/tiny_edit/') + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ConfigError, match=r"^data.train_prompts: \S+bad.jsonl line 2 needs one source image .* which "
+                                          r"rewards.tiny_edit reads"):
+        check_reward_metadata({"tiny_edit": 1.0}, read_prompt_set(bad), "data.train_prompts", str(bad))
