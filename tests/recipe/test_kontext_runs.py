@@ -50,13 +50,30 @@ def _edits(pipe) -> torch.Tensor:
 def test_kontext_trains_on_two_processes_and_its_lora_edits_in_diffusers(tmp_path):
     from diffusers import FluxKontextPipeline
 
-    run = _run(tmp_path, "short", GRPO, 2, ["max_steps=1", "checkpoint.every=0", "optim.lr=1e-2"])
+    run = _run(tmp_path, "short", GRPO, 2, ["max_steps=1", "checkpoint.every=1", "optim.lr=1e-2"])
     assert [r["ratio_max_dev"] for r in run["rows"]] == [0.0]
     assert "encoding 24 source images of" in run["log"]
     pipe = FluxKontextPipeline.from_pretrained(str(TINY_KONTEXT), dtype=torch.float32)
     base = _edits(pipe)
     pipe.load_lora_weights(str(run["dir"] / "final" / "lora"))
     assert (_edits(pipe) - base).abs().max() > 1e-3
+    # tools.eval's grid of an edit set: one row per edit, source | base | checkpoint
+    import numpy as np
+    from PIL import Image
+
+    from grpo.config import load_config
+    from grpo.prompt_sets import read_image, read_prompt_set, row_images
+    from tests import EDITS_HELDOUT
+    from tools.eval import evaluate_checkpoint
+
+    cfg = load_config(str(ROOT / GRPO), [f"output_dir={run['dir']}", f"data.cache_dir={tmp_path / 'cache'}",
+                                         "logging.eval_seeds=1"])
+    result = evaluate_checkpoint(cfg, None)
+    assert result["checkpoint"]["step"] == 1 and set(result["base"]["components"]) == {"tiny_world", "tiny_edit"}
+    grid = np.asarray(Image.open(f"{result['dir']}/grid.png").convert("RGB"))
+    assert grid.shape == (8 * 66 + 2, 3 * 66 + 2, 3)  # torchvision's grid: 64 px cells, 2 px padding
+    first = read_image(row_images(read_prompt_set(EDITS_HELDOUT).metadata[0])[0])
+    assert np.array_equal(grid[2:66, 2:66], (first.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
 
 
 @pytest.fixture(scope="module")
