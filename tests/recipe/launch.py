@@ -215,10 +215,12 @@ def assert_two_steps_agree(one: dict, two: dict) -> None:
     assert all((w2[k] - w1[k]).norm() <= 1e-3 * w1[k].norm() for k in w1)
 
 
-def two_one_resumed(run: Callable[[str, str, int, list[str]], dict], config: str, extra: list[str]) -> dict:
+def two_one_resumed(run: Callable[[str, str, int, list[str]], dict], config: str, extra: list[str],
+                    two: dict | None = None) -> dict:
     """The runs that the 1-vs-2 and resume checks compare, by `run(name, config, nproc, overrides)`: "two" on 2
-    processes with a checkpoint every step, "one" the same on 1, "resumed" on 2 again from two's step-1 checkpoint."""
-    two = run("two", config, 2, extra)
+    processes with a checkpoint every step (or the one given), "one" the same on 1, "resumed" on 2 again from two's
+    step-1 checkpoint."""
+    two = two if two is not None else run("two", config, 2, extra)
     return {"two": two, "one": run("one", config, 1, extra),
             "resumed": run("resumed", config, 2, [*extra, f"checkpoint.resume={two['dir']}/checkpoints/step_00000001"])}
 
