@@ -31,6 +31,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 try:
@@ -290,6 +291,7 @@ def init_distributed(timeout_s: float = 1800) -> DistInfo:
         deepspeed.init_distributed(
             dist_backend=backend, timeout=timedelta(seconds=timeout_s), auto_mpi_discovery=False, verbose=False
         )
+        release_shm_buffer_name()
     info = DistInfo(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
@@ -299,6 +301,32 @@ def init_distributed(timeout_s: float = 1800) -> DistInfo:
     )
     logger.info("distributed: %s", info)
     return info
+
+
+def shm_buffer_path(rank: int) -> Path:
+    """Where DeepSpeed's CPU accelerator puts rank `rank`'s shared-memory all-reduce buffer (its csrc/cpu/comm/shm.cpp
+    `shm_initialize`: "deepspeed_allreduce_buffer_{uid}_{MASTER_ADDR}_{MASTER_PORT}_{rank}" under /dev/shm)."""
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_{os.environ.get('MASTER_PORT')}"
+    return Path("/dev/shm") / f"{name}_{rank}"
+
+
+def release_shm_buffer_name() -> None:
+    """Unlink this rank's DeepSpeed shared-memory buffer name once every rank has mapped its peers' buffers.
+
+    DeepSpeed 0.19's CPU accelerator creates a 64 MiB POSIX shared-memory buffer per rank when the process group
+    starts and never unlinks it (its `shared_close` is never called), so every run leaves 64 MiB per rank in
+    /dev/shm, which is RAM: a few hundred short runs filled 16 GiB of a 24 GiB host. Every rank maps its peers'
+    buffers inside `init_distributed` (it waits for their names), so after a barrier the names are no longer needed;
+    the mappings stay valid until the processes exit, even by kill -9, and then the memory is freed. No file: another
+    accelerator, or not all ranks on one node (DeepSpeed then uses no shared memory).
+    """
+    import torch.distributed as dist
+
+    path = shm_buffer_path(dist.get_rank())
+    if not path.exists():
+        return
+    dist.barrier()
+    path.unlink(missing_ok=True)
 
 
 def seed_everything(seed: int) -> None:

@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -37,3 +38,20 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 def test_two_process_gloo():
     mp.spawn(_worker, args=(2, free_port()), nprocs=2, join=True)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_no_deepspeed_shared_memory_buffer_is_left_in_dev_shm(nproc):
+    """DeepSpeed's CPU accelerator never unlinks its 64 MiB per-rank /dev/shm buffer (made when all ranks are on one
+    node by LOCAL_SIZE: a 1-process run here); init_distributed does, once the ranks have mapped each other's
+    (grpo.device.release_shm_buffer_name)."""
+    import subprocess
+
+    from tests import ROOT
+    from tools.launch import launch_env, torchrun_cmd
+
+    proc = subprocess.run(torchrun_cmd(nproc, [str(ROOT / "tests" / "recipe" / "shm_probe.py")]),
+                          env=launch_env(None), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("rank")) == [
+        f"rank {r}: made {nproc == 1}, left [], all_reduce {float(nproc)}" for r in range(nproc)]
