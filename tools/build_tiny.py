@@ -442,21 +442,25 @@ def train_transformer(
     latents, pool_index = latent_pool(prompts, images_per_prompt, lambda x: encode_latents(pipe, x), generator)
     h = w = RESOLUTION // pipe.vae_scale_factor
     img_ids = pipe._prepare_latent_image_ids(1, h // 2, w // 2, torch.device("cpu"), torch.float32)
-    guidance = torch.full((batch,), GUIDANCE)
 
     def predict(xt, sigma, cond, step):
-        return transformer(
-            hidden_states=xt,
-            timestep=sigma,
-            guidance=guidance,
-            pooled_projections=pooled[cond],
-            encoder_hidden_states=prompt_embeds[cond],
-            txt_ids=text_ids,
-            img_ids=img_ids,
-            return_dict=False,
-        )[0]
+        return flux1_velocity(transformer, xt, sigma, pooled[cond], prompt_embeds[cond], text_ids, img_ids)
 
     flow_matching(transformer, latents, pool_index, predict, steps, batch, lr, shift, generator)
+
+
+def flux1_velocity(transformer, hidden, sigma, pooled, prompt_embeds, text_ids, img_ids) -> torch.Tensor:
+    """The FLUX.1 transformer's output for a batch, called as FluxPipeline calls it (timestep = sigma, guidance 3.5)."""
+    return transformer(
+        hidden_states=hidden,
+        timestep=sigma,
+        guidance=torch.full((hidden.shape[0],), GUIDANCE),
+        pooled_projections=pooled,
+        encoder_hidden_states=prompt_embeds,
+        txt_ids=text_ids,
+        img_ids=img_ids,
+        return_dict=False,
+    )[0]
 
 
 # --------------------------------------------------------------------------------------------------------------------

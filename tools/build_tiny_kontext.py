@@ -97,7 +97,7 @@ def train_edits(pipe, steps: int, batch: int, lr: float, shift: float, images_pe
                 generator: torch.Generator) -> None:
     """Rectified-flow training of the FluxKontextPipeline `pipe.transformer` on the world's training edits,
     `images_per_prompt` renders (source and target with one placement) of each, conditioned as the pipeline's call."""
-    from tools.build_tiny import GUIDANCE, MAX_SEQUENCE_LENGTH, RESOLUTION, encode_latents, flow_matching
+    from tools.build_tiny import MAX_SEQUENCE_LENGTH, RESOLUTION, encode_latents, flow_matching, flux1_velocity
 
     train_targets = set(world.split_prompts()[0])
     edits = [(s, t) for s, _, t in world.all_edits() if t in train_targets]
@@ -115,22 +115,13 @@ def train_edits(pipe, steps: int, batch: int, lr: float, shift: float, images_pe
     ref_ids = img_ids.clone()
     ref_ids[..., 0] = 1  # FluxKontextPipeline.prepare_latents: the reference grid's first coordinate
     ids = torch.cat([img_ids, ref_ids])
-    guidance = torch.full((batch,), GUIDANCE)
     transformer = pipe.transformer
     tokens = latents.shape[1]
 
     def predict(xt, sigma, cond, step):
         e = edit_of[cond]
-        return transformer(
-            hidden_states=torch.cat([xt, refs[cond]], dim=1),
-            timestep=sigma,
-            guidance=guidance,
-            pooled_projections=pooled[e],
-            encoder_hidden_states=prompt_embeds[e],
-            txt_ids=text_ids,
-            img_ids=ids,
-            return_dict=False,
-        )[0][:, :tokens]
+        hidden = torch.cat([xt, refs[cond]], dim=1)
+        return flux1_velocity(transformer, hidden, sigma, pooled[e], prompt_embeds[e], text_ids, ids)[:, :tokens]
 
     flow_matching(transformer, latents, torch.arange(len(edit_of)), predict, steps, batch, lr, shift, generator)
 
