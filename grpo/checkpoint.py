@@ -66,7 +66,7 @@ from grpo.rng import RngState
 from grpo.compat import check_compatible
 from grpo.config import RecipeConfig, to_dict
 from grpo.distributed import agreed_outside_failure
-from grpo.errors import ConfigError, OutsideFailure
+from grpo.errors import ConfigError, OutsideFailure, refused_write, unwritable
 from grpo.lock import is_startup_entry
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,8 @@ FORMAT = 1
 META = "meta.json"
 LATEST = "latest"
 UNIVERSAL = ".universal-"  # + checkpoint name: its DeepSpeed universal conversion, for a resume on another world size
+# Free space a universal conversion needs, in checkpoint sizes (Checkpointer._check_conversion_space)
+CONVERSION_FACTOR = 2
 SOURCE = "source.json"  # in a universal folder: which checkpoint (path, sha256 of its meta.json) it was made from
 _NAME = re.compile(r"^step_(\d{8})$")
 def checkpoint_name(step: int) -> str:
@@ -383,22 +385,32 @@ def _is_disk_full(err: BaseException, root: Path) -> bool:
 
 @contextlib.contextmanager
 def _disk_full(root: Path, name: str):
-    """A full disk while a checkpoint is written becomes one OutsideFailure line (exit 1: space does not come back by
-    itself, so not "retry later"). Nothing else needs undoing: the checkpoint was going into .tmp-<name>, which is
-    never resumed and is removed by the next save of that step, and pruning runs only after a complete save."""
+    """A full disk, or a file system that refuses writes (remounted read-only, permissions changed), while a
+    checkpoint is written becomes one OutsideFailure line (exit 1: neither undoes itself, so not "retry later").
+    Nothing else needs undoing: the checkpoint was going into .tmp-<name>, which is never resumed and is removed by
+    the next save of that step, and pruning runs only after a complete save."""
     try:
         yield
     except Exception as err:
-        if not _is_disk_full(err, root):
+        if _is_disk_full(err, root):
+            raise OutsideFailure(_no_space(root, name, f"while writing it ({type(err).__name__})")) from err
+        refused = refused_write(err, root)
+        if refused is None:
             raise
-        raise OutsideFailure(_no_space(root, name, f"while writing it ({type(err).__name__})")) from err
+        raise OutsideFailure(unwritable(refused, root, f"checkpoint {name}", _kept(root))) from err
+
+
+def _kept(root: Path) -> str:
+    try:
+        previous = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+    except OSError:
+        previous = None
+    return f"the previous checkpoint {root / previous} is intact" if previous else "no checkpoint was written yet"
 
 
 def _no_space(root: Path, name: str, how: str) -> str:
-    previous = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
-    kept = f"the previous checkpoint {root / previous} is intact" if previous else "no checkpoint was written yet"
-    return (f"checkpoint: no space left on the device of {root} for {name} ({how}); {kept}. Free space there (or "
-            "lower checkpoint.keep, or move output_dir to a larger disk), then rerun with checkpoint.resume=auto")
+    return (f"checkpoint: no space left on the device of {root} for {name} ({how}); {_kept(root)}. Free space there "
+            "(or lower checkpoint.keep, or move output_dir to a larger disk), then rerun with checkpoint.resume=auto")
 
 
 @contextlib.contextmanager
@@ -500,6 +512,26 @@ class Checkpointer:
                                                                 f"{previous.name}; {free / 2**20:.1f} MiB free"))
             return
 
+    def _check_conversion_space(self, path: Path, meta: dict) -> None:
+        """Refuse a universal conversion that cannot fit, before it starts (one line, exit 1 as the full-disk check
+        before a save): ds_to_universal first extracts every rank's fp32 weights and Adam moments into per-parameter
+        fragments (``tmp/``), then merges them into ``zero/`` and deletes ``tmp/`` only at the end, so at its peak it
+        holds the optimizer state, most of a checkpoint, twice. Measured on the tiny LoRA: 2.5 x the checkpoint (its
+        thousands of small fragment files cost more than their data); a conversion that outgrows the estimate still
+        ends with the full-disk line."""
+        need = CONVERSION_FACTOR * sum(size for size, _ in meta["files"].values())
+        folder = self.root
+        while not folder.is_dir() and folder != folder.parent:  # a new output_dir resuming another run's checkpoint
+            folder = folder.parent
+        free = shutil.disk_usage(folder).free
+        if free < need:
+            raise OutsideFailure(
+                f"checkpoint.resume: converting {path} (written by {meta['world_size']} processes) for this run's "
+                f"{self.world} needs about {need / 2**20:.1f} MiB free under {self.root} ({CONVERSION_FACTOR} x the "
+                f"checkpoint: DeepSpeed's ds_to_universal), {free / 2**20:.1f} MiB free; free space there or move "
+                f"output_dir to a larger disk and rerun, or resume on {meta['world_size']} processes, which needs no "
+                "conversion")
+
     def _prune(self) -> None:
         """Delete checkpoints beyond the newest `keep`, and folders of saves that a kill interrupted."""
         for old in list_checkpoints(self.root)[self.cfg.checkpoint.keep:]:
@@ -570,8 +602,9 @@ class Checkpointer:
             tmp = self.root / f".tmp{UNIVERSAL}{path.name}"
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.rmtree(folder, ignore_errors=True)  # of another checkpoint of that step (another run, replaced)
-            tmp.mkdir(parents=True)
             meta = read_meta(path)
+            self._check_conversion_space(path, meta)
+            tmp.mkdir(parents=True)
             cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(path),
                    "--output_folder", str(tmp / path.name), "--num_extract_workers",
                    str(max(1, min(meta["world_size"], (os.cpu_count() or 1) // 2))), "--num_merge_workers", "1"]

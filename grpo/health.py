@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from grpo.errors import COLLECTIVE_FAILED
+
 log = logging.getLogger(__name__)
 
 FAULT_ENV = "GRPO_FAULT_INJECT"
@@ -113,8 +115,9 @@ def comm_failure(err: BaseException, timeout_s: float) -> str | None:
     text = str(err)
     if isinstance(err, RuntimeError) and any(k in text for k in _COMM_FAILURES):
         first = " ".join(text.split())[:160]
-        return (f"a collective failed ({first}): another rank died or stopped responding (faults.comm_timeout_s="
-                f"{timeout_s:g}); restart the job with checkpoint.resume=auto")
+        return (f"{COLLECTIVE_FAILED} ({first}): another rank died or stopped responding (faults.comm_timeout_s="
+                f"{timeout_s:g}); rerun with checkpoint.resume=auto, which continues from the last complete "
+                "checkpoint")
     return None
 
 

@@ -117,7 +117,10 @@ class Lock:
     def release(self) -> None:
         info = _holder(self.path)
         if info and info.get("pid") == os.getpid() and info.get("host") == socket.gethostname():
-            self.path.unlink(missing_ok=True)
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError:  # output_dir turned read-only: the run's error line said so, the next start reports it
+                pass
         if self.created_dir:
             try:
                 self.path.parent.rmdir()  # only when empty: a run that wrote nothing leaves nothing

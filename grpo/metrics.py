@@ -30,6 +30,21 @@ def _kept(row: dict, resume_step: int) -> bool:
     return row["step"] <= resume_step if _is_eval_row(row) else row["step"] < resume_step
 
 
+def _read_rows(path: Path) -> list[dict]:
+    """metrics.jsonl's rows. A last line cut short (a rank 0 killed while appending it) is dropped: its step is
+    after the checkpoint being resumed, so it is logged again. A bad line before the last is not a torn write and
+    still fails."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise
+    return rows
+
+
 def check_wandb(enabled: bool) -> None:
     """Fail at start-up (ConfigError) when wandb logging is asked for but wandb is not installed."""
     if enabled and importlib.util.find_spec("wandb") is None:
@@ -68,7 +83,7 @@ class MetricsLogger:
         if not enabled:
             return
         if self.path.exists():
-            rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            rows = _read_rows(self.path)
             self.rows = [r for r in rows if resume_step is not None and _kept(r, resume_step)]
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in self.rows))

@@ -7,8 +7,8 @@
 #
 # Environment: NPROC (process count), RECIPE (recipe script), MASTER_PORT (default: a free port), GRACE_S (seconds the
 # workers get to finish the step and save after SIGTERM/SIGINT, default 600).
-# Exit code: the workers' (0 done or stopped cleanly, 2 bad input, 3 too many skipped updates, 75 a dependency is down:
-# retry later, 1 anything else).
+# Exit code: the workers' (0 done or stopped cleanly, 2 bad input, 3 too many skipped updates, 75 a dependency is down
+# or a rank was killed by a signal: retry later, 1 anything else).
 # SIGTERM/SIGINT to this script go to the workers (tools/torchrun.py), which finish the step, save and exit 0.
 set -euo pipefail
 if [[ $# -lt 1 ]]; then

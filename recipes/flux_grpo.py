@@ -61,6 +61,7 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -79,7 +80,8 @@ from grpo.config import RecipeConfig, dump_config, load_config, to_dict
 from grpo.data import micro_batches, prompts_for_step, step_noise_generator
 from grpo.distributed import agreed_outside_failure, gather_by_index, leave
 from grpo.ema import ShardedEMA
-from grpo.errors import ConfigError, DependencyDown, OutsideFailure, outside_exit, rank_exit
+from grpo.errors import (ConfigError, DependencyDown, OutsideFailure, outside_exit, peer_lost_exit, rank_exit,
+                         writes_under)
 from grpo.models.blocks import compile_blocks, compile_seconds, enable_checkpointing
 from grpo.inputs import check_inputs
 from grpo.loading import transformer_loader
@@ -251,12 +253,15 @@ class FluxGRPORecipe:
                     result = self.step(step)
                 too_many_skips = self.skips.record(result.stats["skipped_updates"] > 0)
                 stats = {**result.stats, "skipped_total": self.skips.total}
-                self.metrics.log(step, stats)
                 self.profiler.stop()
-                if self.rank == 0:
-                    log.info(health.health_line(step, stats, self.objective.ratio_clip))
-                if cfg.logging.sample_every and step % cfg.logging.sample_every == 0 and self.rank == 0:
-                    save_grid(result.images, self.out / "samples" / f"step_{step:05d}.png", cfg.sampling.group_size)
+                # rank 0 writes alone: a file system that refuses it (read-only, permissions) ends every rank at once
+                with agreed_outside_failure(self.device), writes_under(self.out, f"metrics and samples of step {step}"):
+                    self.metrics.log(step, stats)
+                    if self.rank == 0:
+                        log.info(health.health_line(step, stats, self.objective.ratio_clip))
+                    if cfg.logging.sample_every and step % cfg.logging.sample_every == 0 and self.rank == 0:
+                        save_grid(result.images, self.out / "samples" / f"step_{step:05d}.png",
+                                  cfg.sampling.group_size)
                 if self._after_step(step + 1, stop, too_many_skips):
                     return self._stopped(step + 1)
         finally:
@@ -469,11 +474,13 @@ class FluxGRPORecipe:
             x0 = evals.sample_heldout(m, self.sampler, self.eval_prompts, ids, micro)
         with agreed_outside_failure(self.device):
             images, local = evals.score_heldout(self.sampler, self.rewards, self.eval_prompts, ids, x0, micro)
-        if self.rank == 0 and ids:  # this rank's share: prompts 0, world, 2*world, ...
-            save_grid(images, self.out / "samples" / f"eval_step_{step:05d}.png", min(len(ids), 8))
+        with agreed_outside_failure(self.device), writes_under(self.out, f"the eval grid of step {step}"):
+            if self.rank == 0 and ids:  # this rank's share: prompts 0, world, 2*world, ...
+                save_grid(images, self.out / "samples" / f"eval_step_{step:05d}.png", min(len(ids), 8))
         components = gather_by_index(local, torch.tensor(ids, device=self.device, dtype=torch.long), n)
         total = mix(components, self.rewards.weights.to(components.device), None, False)
-        self.metrics.log(step, {"eval/reward_mean": total.mean().item()})
+        with agreed_outside_failure(self.device), writes_under(self.out, f"the eval metrics of step {step}"):
+            self.metrics.log(step, {"eval/reward_mean": total.mean().item()})
         if self.rank == 0:
             log.info("eval at step %d: held-out reward %.4f over %d prompts x %d seeds", step, total.mean().item(),
                      len(self.eval_prompts), self.cfg.logging.eval_seeds)
@@ -496,13 +503,22 @@ class FluxGRPORecipe:
         with self._trained_weights():
             if self.cfg.lora is not None:
                 state = eng.lora_state_dict(self.engine)  # rank 0 only, else None
-                if state is not None:
-                    export.write_lora(self.family, state, dataclasses.asdict(self.cfg.lora),
-                                      self.out / "final" / "lora")
+                with agreed_outside_failure(self.device), writes_under(self.out, "the final LoRA"):
+                    if state is not None:
+                        export.write_lora(self.family, state, dataclasses.asdict(self.cfg.lora),
+                                          self.out / "final" / "lora")
             else:
-                eng.save_full(self.engine, self.out / "final" / "transformer")
+                with writes_under(self.out, "the final transformer"):  # gathers inside: rank 0 may fail alone
+                    eng.save_full(self.engine, self.out / "final" / "transformer")
         dist.barrier()
-        self.metrics.close()
+        with agreed_outside_failure(self.device), writes_under(self.out, "the reward curve"):
+            self.metrics.close()
+
+
+def _ending() -> None:
+    """The run ends on every rank, each at its own pace: the first to exit makes torchrun stop the others with
+    SIGTERM, which must not cut their report short (rank 0's line, the error file the launcher reads)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -519,21 +535,27 @@ def main(argv: list[str] | None = None) -> int:
         recipe.setup()
     except ConfigError as e:
         code = rank_exit(f"error: {e}", 2)
+    except OutsideFailure as e:  # rank 0 alone: the disk under a universal conversion (grpo/checkpoint.py)
+        _ending()
+        return outside_exit(e, recipe.out, recipe.rank)  # its peers wait on the file system; torchrun stops them
     else:
         try:
             recipe.train()
             code = 0
         except health.TooManySkips as e:
+            _ending()
             code = rank_exit(f"error: {e}", health.EXIT_TOO_MANY_SKIPS)
         except OutsideFailure as e:  # a server, the disk: one line, its code, the traceback in output_dir/logs/
+            _ending()
             code = outside_exit(e, recipe.out, recipe.rank)
             if not e.agreed:  # met by this rank alone, e.g. the disk inside DeepSpeed's save
                 return code
-        except RuntimeError as e:  # a dead or hung rank surfaces here after faults.comm_timeout_s
+        except RuntimeError as e:  # a dead rank surfaces here (gloo: at once; NCCL/HCCL: after faults.comm_timeout_s)
             hint = health.comm_failure(e, recipe.cfg.faults.comm_timeout_s)
-            if hint:
-                log.error(hint)
-            raise
+            if not hint:
+                raise
+            # the launcher names the lost rank in the run's one error line; this rank exits 75 without a traceback
+            peer_lost_exit(e, hint, recipe.out, recipe.rank, recipe.lock.release if recipe.lock else lambda: None)
     leave()
     return code
 

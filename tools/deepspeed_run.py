@@ -19,7 +19,8 @@ only), and:
   launching node stops the whole job. Workers still running GRACE_S seconds later (tools/torchrun.py) are killed and
   DeepSpeed's own teardown stops the rest (exit 1). A signal when no worker runs on this machine (not yet, or this
   machine is not in the hostfile) goes to DeepSpeed's launcher processes, which stop the job their way (exit 1).
-- Exit code: 0, 2 and 3 pass; anything else is 1 after one ``[launch]`` line.
+- Exit code: 0, 2, 3 and 75 pass; 256 - signal (a worker killed by that signal, e.g. 247 for ``kill -9``) is a lost
+  rank: 75 after one ``error:`` line; anything else is 1 after one ``[launch]`` line.
 """
 
 from __future__ import annotations
@@ -31,8 +32,12 @@ import sys
 
 import psutil
 
+from grpo.errors import EXIT_RETRY_LATER
 from tools.torchrun import PASSED_ON, Forwarder, start_forwarding
 
+# What DeepSpeed's launch.py exits with when a worker died by a signal is 256 - signal (sys.exit of the negative
+# returncode); only these signals are read that way (SIGTERM is DeepSpeed's own stop of the other workers).
+LOST_SIGNALS = {signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE}
 LAUNCH_MODULE = "deepspeed.launcher.launch"  # what the runner starts on every node; its children are the ranks
 
 
@@ -97,11 +102,19 @@ class DeepSpeedForwarder(Forwarder):
 
 
 def exit_code(code: int, killed: bool) -> tuple[int, str | None]:
-    """The job's exit code from the runner's, and a line to print (None: the recipe printed its own)."""
+    """The job's exit code from the runner's, and a line to print (None: the recipe printed its own). 256 - signal,
+    for the signals that kill a process from outside or on a crash (LOST_SIGNALS), is a worker killed by it: a lost
+    rank, 75 as under tools/torchrun.py, but DeepSpeed's launcher says neither which rank nor its pid."""
     if killed:
         return 1, None
     if code == 0 or code in PASSED_ON:
         return code, None
+    if 256 - code in LOST_SIGNALS:
+        sig, name = 256 - code, signal.Signals(256 - code).name
+        return EXIT_RETRY_LATER, (f"error: a worker was killed by signal {sig} ({name}; the DeepSpeed launcher exited "
+                                  f"{code} and names no rank: see its output above), and the other ranks were "
+                                  "stopped; rerun with checkpoint.resume=auto, which continues from the last complete "
+                                  f"checkpoint (exit {EXIT_RETRY_LATER}: retry later)")
     return 1, (f"[launch] the DeepSpeed launcher exited with code {code} (a worker failed or was killed; see the "
                "output above); exit 1")
 

@@ -5,10 +5,12 @@
 launch/run.sh and launch/multinode.sh (--torchrun) exec it in place of ``python -m torch.distributed.run``, and
 tools.launch.torchrun_cmd (tests, tools, benchmarks) starts it; it runs torchrun in this process with two changes:
 
-- Exit code: torchrun turns a failed worker into exit 1 and a ChildFailedError traceback. Here the job exits with the
-  first failed worker's code when it is 2 (bad input), 3 (too many skipped updates) or 75 (a dependency is down,
-  retry later), whose one ``error:`` line the recipe printed on rank 0, and otherwise with 1 after one ``[launch]``
-  line naming the rank and its code. 0 when every worker exits 0.
+- Exit code: torchrun turns a failed worker into exit 1 and a ChildFailedError traceback. Here a worker killed by a
+  signal (``kill -9``, a segfault, the OOM killer) is a lost rank: one ``error:`` line naming it, its pid and the
+  signal, and exit 75 (retry later: a requeue resumes from the last complete checkpoint). Otherwise the job exits
+  with the first failed worker's code when it is 2 (bad input), 3 (too many skipped updates) or 75 (a dependency is
+  down, retry later), whose one ``error:`` line the recipe printed on rank 0, and otherwise with 1 after one
+  ``[launch]`` line naming the rank and its code. 0 when every worker exits 0.
 - Preemption: torchrun answers SIGTERM/SIGINT by terminating its workers within 30 s, too short for a FLUX.1-dev step
   and its checkpoint. Here the signal is forwarded to the workers, which finish the step, save a checkpoint and
   exit 0 (grpo/health.py); workers still running GRACE_S seconds (environment, default 600) after the first signal
@@ -21,14 +23,17 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 
 import psutil
 
+from grpo.errors import COLLECTIVE_FAILED, EXIT_RETRY_LATER
+
 GRACE_ENV, GRACE_DEFAULT_S = "GRACE_S", 600.0
 # The exit codes the recipe gives meaning to (recipes/flux_grpo.py, grpo/errors.py); every other failure becomes 1.
-PASSED_ON = (2, 3, 75)
+PASSED_ON = (2, 3, EXIT_RETRY_LATER)
 
 
 def children(pid: int | None = None) -> list[int]:
@@ -123,14 +128,48 @@ def _recipe_line(failure) -> str | None:
     return text if isinstance(text, str) and text.startswith("error: ") else None
 
 
-def exit_code(failures: dict) -> tuple[int, str | None]:
+def lost_rank(failures: dict) -> str | None:
+    """The `error:` line for a worker that died by a signal, e.g. ``kill -9`` or a segfault, else None.
+
+    Which one: torchrun records the workers that failed by themselves first and those it then stopped after them
+    (SIGTERM, SIGKILL 30 s later: torch/distributed/elastic/multiprocessing/api.py, _poll), and the dict keeps that
+    order; SIGTERM is torchrun's own stop (the recipe turns an outside one into a clean stop), and a worker that
+    left a recipe line in its error file ended by itself (its peer's death reached it, grpo.errors.peer_lost_exit)."""
+    for rank, failure in failures.items():
+        if _follow_on(failure) or failure.exitcode == -signal.SIGTERM:
+            continue
+        if failure.exitcode >= 0 or _recipe_line(failure) is not None:
+            return None  # the first cause ended by itself; a peer stuck in a collective was SIGKILLed after it
+        sig = signal.Signals(-failure.exitcode)
+        return (f"error: rank {rank} (pid {failure.pid} on {socket.gethostname()}) was killed by signal "
+                f"{sig.value} ({sig.name}), and the other ranks were stopped; rerun with checkpoint.resume=auto, "
+                f"which continues from the last complete checkpoint (exit {EXIT_RETRY_LATER}: retry later)")
+    return None
+
+
+def _follow_on(failure) -> bool:
+    """The worker ended because a peer had: its collective failed (grpo.errors.peer_lost_exit's line)."""
+    line = _recipe_line(failure)
+    return line is not None and line.startswith(f"error: {COLLECTIVE_FAILED}")
+
+
+def exit_code(failures: dict, killed: bool = False) -> tuple[int, str | None]:
     """The job's exit code from torchrun's failures {rank: ProcessFailure}, and a line to print (None: the recipe
-    printed its own). A worker's 2, 3 or 75 wins over the others' failures, which follow from it (a rank that left
-    breaks its peers' collectives, then torchrun stops them)."""
-    ranked = sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+    printed its own). A worker killed by a signal is a lost rank (:func:`lost_rank`): 75, retry later, whatever its
+    peers then did (unless `killed`: this launcher killed them after the grace period). Else a worker's 2, 3 or 75
+    wins over the others' failures, which follow from it (a rank that left breaks its peers' collectives, then
+    they end or torchrun stops them)."""
+    lost = None if killed else lost_rank(failures)
+    if lost:
+        return EXIT_RETRY_LATER, lost
+    # the ranks that ended because a peer had, or that torchrun stopped (SIGTERM), are no cause, unless they are all
+    # there is (the peer that ended first ran on another machine): then a follow-on's line is the one to print, which
+    # it did not
+    causes = {r: f for r, f in failures.items() if not _follow_on(f) and f.exitcode != -signal.SIGTERM} or failures
+    ranked = sorted(causes.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
     for rank, failure in ranked:
         if failure.exitcode in PASSED_ON:
-            return failure.exitcode, None
+            return failure.exitcode, _recipe_line(failure) if _follow_on(failure) else None
     # An outside failure that some rank met alone (grpo.errors.outside_exit): rank 0 printed its line if it met it
     # too; else the line of the first rank that did, instead of a [launch] line about a code 1.
     said = [(rank, line) for rank, line in ((r, _recipe_line(f)) for r, f in ranked) if line]
@@ -156,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         run(args)
     except ChildFailedError as e:
         # torchrun's own log of the failure would follow the recipe's error line; ours replaces it
-        code, line = exit_code(e.failures)
+        code, line = exit_code(e.failures, forward.killed)
         if forward.killed:
             code = 1
         if line:

@@ -1,6 +1,6 @@
 """Resume on another number of processes: a checkpoint written by 2 processes continued on 1, and one written by 1
 continued on 2, each against the same uninterrupted 2-process run (grpo LoRA with EMA, grpo full fine-tune, nft LoRA
-with its lagging policy).
+with its lagging policy, awm LoRA with its EMA anchor).
 
     A   2 processes, steps 0..2, a checkpoint after every step
     B   1 process, resumed from A's step-1 checkpoint (2 -> 1), to step 2
@@ -35,7 +35,10 @@ CASES = {
     "grpo_full": ("recipes/configs/tiny/grpo_full.yaml", []),
     # a lagging policy well apart from the weights (the preset's 0.001 k decay keeps it within 0.1% of them)
     "nft_lora": ("recipes/configs/tiny/nft_lora.yaml", ["nft.lag_rate=0.25"]),
+    # awm's lagging policy is its EMA anchor; the same decay for the same reason
+    "awm_lora": ("recipes/configs/tiny/awm_lora.yaml", ["awm.lag_rate=0.25"]),
 }
+LAGGING = ("nft", "awm")  # the objectives with a lagging policy
 
 
 def _files(folder: Path) -> dict[str, str]:
@@ -120,13 +123,13 @@ def _assert_continues(runs, resumed: str) -> None:
     weights = {"model": _max_rel(trained_weights(mine, "model"), trained_weights(theirs, "model"))}
     if runs["ema"]:
         weights["ema"] = _max_rel(trained_weights(mine, "ema"), trained_weights(theirs, "ema"))
-    if runs["case"].startswith("nft"):
+    if runs["case"].startswith(LAGGING):
         weights["lagging"] = _max_rel(_lagging(mine), _lagging(theirs))
     # the export at the end (final/lora or final/transformer), gathered from the resharded engine
     for f in sorted((runs["A"] / "final").rglob("*.safetensors")):
         rel = f.relative_to(runs["A"])
         weights[str(rel.parent)] = _max_rel(load_file(str(runs[resumed] / rel)), load_file(str(f)))
-    assert len(weights) > 1 + runs["ema"] + runs["case"].startswith("nft")  # the export was compared
+    assert len(weights) > 1 + runs["ema"] + runs["case"].startswith(LAGGING)  # the export was compared
     print(f"\n{runs['case']} {resumed}: max relative differences: metrics {worst}, tensors {weights}")
     assert all(v <= 1e-3 for v in weights.values()), weights
 

@@ -11,6 +11,10 @@ complete checkpoint usable. A refused start leaves output_dir as it was, to its 
 - A VLM judge that keeps answering out of format: exit 1, one line naming the answer and the fixes.
 - A refused resume (every checkpoint of output_dir damaged, found only by the ranks' hashes) leaves output_dir
   byte-identical, its own mtime included: the checks run before output_dir/.lock is taken.
+- A rank lost mid-run (kill -9 of rank 1, and of rank 0): exit 75 with the launcher's line naming it, and
+  checkpoint.resume=auto continues to the uninterrupted run's rows and LoRA.
+- output_dir remounted read-only mid-run (a 64 MiB tmpfs; before a checkpoint, before a metrics row): exit 1, one line
+  naming the path and EROFS, everything written before kept.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -198,3 +204,116 @@ def test_a_full_disk_during_a_checkpoint_ends_with_one_line_and_keeps_the_previo
     assert not list(root.glob(".tmp-*"))
     assert (root / ckpt.LATEST).read_text() == ckpt.checkpoint_name(1)
     assert ckpt.newest_valid(root) == root / ckpt.checkpoint_name(1)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The 3-step 2-process run that the lost-rank runs are compared with: (its settings, its output_dir)."""
+    tmp = tmp_path_factory.mktemp("whole")
+    common = [*tiny_run(tmp), "max_steps=3", "checkpoint.every=1", "data.eval_prompts=null",
+              "logging.sample_every=0", "logging.tensorboard=false", f"data.cache_dir={tmp / 'cache'}"]
+    whole = tmp / "whole"
+    done = _launch(common, whole, tmp / "whole.log")
+    assert done.wait(600) == 0, done.tail()
+    return common, whole
+
+
+def _launch(common, out, log, *extra):
+    return Run.start(["bash", str(ROOT / "launch" / "run.sh"), LORA, *common, f"output_dir={out}", *extra], log,
+                     script_env({"NPROC": "2", "MASTER_PORT": str(free_port())}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lost", [1, 0])
+def test_a_rank_killed_mid_run_ends_with_75_naming_it_and_resumes_exactly(tmp_path, uninterrupted, lost):
+    """kill -9 of one rank after step 1 (its peer is then in a collective or about to enter one; step 2's checkpoint
+    may be in flight): launch/run.sh exits 75 with one line naming that rank, its pid and the signal, no traceback on
+    the terminal; checkpoint.resume=auto continues to the uninterrupted run's rows and LoRA. Rank 0 lost: the rank
+    that writes metrics.jsonl and holds output_dir's lock (left behind, taken over by the resumed run)."""
+    import signal
+
+    common, whole = uninterrupted
+    cut = tmp_path / "cut"
+    run = _launch(common, cut, tmp_path / "cut.log")
+    wait_for_step(run, 1)
+    victim = next(p for p in run.workers() if p.environ().get("RANK") == str(lost))
+    victim.send_signal(signal.SIGKILL)
+    rc = run.wait(300)
+    log = run.log.read_text(errors="replace")
+    assert rc == EXIT_RETRY_LATER, log[-3000:]
+    line = one_error_line(log)
+    assert line.startswith(f"error: rank {lost} (pid {victim.pid} on "), line
+    assert "was killed by signal 9 (SIGKILL)" in line and "checkpoint.resume=auto" in line
+    # the survivor's side: its traceback kept under output_dir/logs, not shown
+    assert "Traceback" in (cut / "logs" / f"error_rank{1 - lost}.txt").read_text()
+    newest = ckpt.newest_valid(cut / "checkpoints")
+    assert newest is not None and ckpt.checkpoint_step(newest) in (1, 2)
+    resumed = _launch(common, cut, tmp_path / "resumed.log", "checkpoint.resume=auto")
+    assert resumed.wait(600) == 0, resumed.tail()
+    a, b = train_rows(whole), train_rows(cut)
+    assert [r["step"] for r in b] == [0, 1, 2]
+    for ra, rb in zip(a, b):
+        assert {k: ra.get(k) for k in COMPARED} == {k: rb.get(k) for k in COMPARED}, ra["step"]
+    la, lb = (load_file(str(next((d / "final" / "lora").glob("*.safetensors")))) for d in (whole, cut))
+    assert la.keys() == lb.keys() and all((la[k] == lb[k]).all() for k in la)
+
+
+@pytest.fixture
+def remountable_disk(tmp_path):
+    """A 64 MiB tmpfs that the test remounts read-only mid-run (as root, chmod would not stop the writes); root only."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["checkpoint", "metrics"])
+def test_an_output_dir_turned_read_only_mid_run_ends_with_one_line_and_loses_nothing(tmp_path, remountable_disk,
+                                                                                      moment):
+    """output_dir's file system remounted read-only after step 1 is logged, so step 2's checkpoint is the first write
+    refused (DeepSpeed's torch.save, which names no errno); or after step 2's checkpoint, so step 2's metrics row is
+    (rank 0 alone; the ranks agree). Exit 1, one line naming the path and "Read-only file system", no traceback on
+    the terminal (it went to the temporary directory, output_dir being unwritable); every row and checkpoint written
+    before is there and verifies once the disk is writable again."""
+    import re
+
+    out = remountable_disk / "run"
+    run = Run.start(["bash", str(ROOT / "launch" / "run.sh"), LORA, *tiny_run(tmp_path), "max_steps=4",
+                     "checkpoint.every=1", "data.eval_prompts=null",
+                     # grids only where they cannot race the remount: step 1's is written before the checkpoint
+                     f"logging.sample_every={int(moment == 'metrics')}",
+                     "logging.tensorboard=true", f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={out}"],
+                    tmp_path / "run.log", script_env({"NPROC": "2", "MASTER_PORT": str(free_port())}))
+    if moment == "checkpoint":
+        wait_for_step(run, 1)
+    else:
+        deadline = time.monotonic() + 400
+        while f"checkpoint {out / 'checkpoints' / ckpt.checkpoint_name(2)}" not in run.log.read_text(errors="replace"):
+            assert run.proc.poll() is None and time.monotonic() < deadline, run.tail()
+            time.sleep(0.05)
+    subprocess.run(["mount", "-o", "remount,ro", str(remountable_disk)], check=True)
+    rc = run.wait(300)
+    log = run.log.read_text(errors="replace")
+    assert rc == 1, log[-3000:]
+    line = one_error_line(log)
+    assert line.startswith(f"error: output_dir: cannot write {out}"), line
+    assert "Read-only file system (EROFS)" in line and "checkpoint.resume=auto" in line
+    kept = re.search(r"\(traceback: (\S+), output_dir being unwritable\)$", line)
+    assert kept and "Traceback" in Path(kept.group(1)).read_text(), line
+    subprocess.run(["mount", "-o", "remount,rw", str(remountable_disk)], check=True)
+    steps = [r["step"] for r in train_rows(out)]
+    newest = ckpt.newest_valid(out / "checkpoints")
+    assert steps == [0, 1]
+    # the refused checkpoint (step 2's: written from the remount on, unless the remount came after it) left the
+    # previous one in place
+    refused_checkpoint = f"(checkpoint {ckpt.checkpoint_name(2)})" in line
+    assert newest is not None and ckpt.checkpoint_step(newest) == (1 if refused_checkpoint else 2), (line, newest)
+    if moment == "metrics":
+        assert line.startswith(f"error: output_dir: cannot write {out / 'metrics.jsonl'} (metrics and samples of "
+                               "step 2)"), line
+        assert (out / "samples" / "step_00001.png").is_file()

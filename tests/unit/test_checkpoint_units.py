@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import random
 from pathlib import Path
 
@@ -128,6 +129,18 @@ def test_metrics_on_resume_drop_the_lost_part_of_the_run(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == "" and fresh.rows == []
 
 
+def test_a_metrics_line_cut_short_by_a_kill_is_dropped_on_resume_and_only_the_last(tmp_path):
+    """A rank 0 killed while appending a row leaves half a line; the resumed run drops it (its step is redone)."""
+    rows = [{"step": 0, "reward_mean": 0.2}, {"step": 1, "reward_mean": 0.3}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 2, "rew')
+    assert MetricsLogger(tmp_path, True, tensorboard=False, resume_step=2).rows == rows
+    assert path.read_text() == "".join(json.dumps(r) + "\n" for r in rows)
+    path.write_text('{"step": 0, "rew\n' + json.dumps(rows[1]) + "\n")  # not a torn write: refused
+    with pytest.raises(json.JSONDecodeError):
+        MetricsLogger(tmp_path, True, tensorboard=False, resume_step=2)
+
+
 def test_the_reward_curve_is_drawn_at_the_eval_and_sample_cadence_and_on_close(tmp_path, monkeypatch):
     """Not every step (a draw costs more than a tiny step): after eval rows, every logging.sample_every steps, and
     once more on close when rows came since the last draw."""
@@ -225,3 +238,37 @@ def test_the_recipe_refuses_before_moving_anything_and_sets_aside_after_the_lock
     assert sorted(p.name for p in root.iterdir()) == [good.name, bad.name]
     ckpt.set_aside_newer(cfg, good)
     assert sorted(p.name[:22] for p in root.iterdir()) == [".invalid-step_00000002", good.name]
+
+
+def test_a_write_the_file_system_refuses_during_a_save_is_one_line_naming_the_path_and_errno(tmp_path, monkeypatch):
+    """Python's writers carry the errno; torch.save's C++ writer does not ("Parent directory ... does not exist"),
+    so a probe file asks the file system; any other error, or one on a writable disk, stays what it was."""
+    import errno
+    import tempfile
+
+    from grpo.errors import OutsideFailure
+
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    (root / ckpt.LATEST).write_text(ckpt.checkpoint_name(1))
+    name = ckpt.checkpoint_name(2)
+    f = root / f".tmp-{name}" / "meta.json"
+    with pytest.raises(OutsideFailure) as e, ckpt._disk_full(root, name):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(f))
+    line = str(e.value)
+    assert line.startswith(f"output_dir: cannot write {f} (checkpoint {name}): Read-only file system (EROFS); "
+                           f"the previous checkpoint {root / ckpt.checkpoint_name(1)} is intact.")
+    assert line.endswith("then rerun with checkpoint.resume=auto") and "\n" not in line and e.value.code == 1
+    torch_says = RuntimeError(f"Parent directory {f.parent} does not exist.")
+    with pytest.raises(RuntimeError, match="Parent directory"), ckpt._disk_full(root, name):
+        raise torch_says  # the disk takes a probe file: not the file system's doing
+    with pytest.raises(ValueError), ckpt._disk_full(root, name):
+        raise ValueError("not a write")
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(root / "tmpXYZ"))
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
+    with pytest.raises(OutsideFailure) as e, ckpt._disk_full(root, name):
+        raise torch_says
+    assert str(e.value).startswith(f"output_dir: cannot write {root} (checkpoint {name}): Permission denied (EACCES)")

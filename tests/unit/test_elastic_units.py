@@ -199,3 +199,39 @@ def test_the_next_complete_save_deletes_conversions(tmp_path):
         (c.root / name).mkdir(parents=True)
     c._prune()
     assert [p.name for p in c.root.iterdir()] == [ckpt.checkpoint_name(5)]
+
+
+def test_a_conversion_that_cannot_fit_is_refused_before_it_starts(tmp_path, monkeypatch):
+    """Free space under output_dir/checkpoints below twice the source checkpoint's size (ds_to_universal's peak):
+    one line naming the folder, the sizes and the fixes (exit 1, an OutsideFailure), ds_to_universal never started
+    and nothing made; with the space free the conversion goes ahead. A new output_dir is measured on its parent."""
+    from grpo.errors import OutsideFailure
+
+    source = _source(tmp_path)
+    meta = json.loads((source / ckpt.META).read_text())
+    meta["files"] = {"zero_pp_rank_0_mp_rank_00_optim_states.pt": [3 << 20, "0" * 64],
+                     "zero_pp_rank_1_mp_rank_00_optim_states.pt": [3 << 20, "0" * 64]}  # 6 MiB
+    (source / ckpt.META).write_text(json.dumps(meta))
+    calls, asked = [], []
+    monkeypatch.setattr(ckpt.subprocess, "run", lambda cmd, **kw: (calls.append(cmd), SimpleNamespace(returncode=1))[1])
+
+    def disk_usage(path):
+        asked.append(Path(path))
+        return SimpleNamespace(total=1 << 30, used=0, free=free)
+
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", disk_usage)
+    c = _checkpointer(tmp_path)
+    free = 11 << 20  # 11 MiB < 12 MiB needed
+    with pytest.raises(OutsideFailure) as e:
+        c._universal(source)
+    line = str(e.value)
+    assert line == (f"checkpoint.resume: converting {source} (written by 2 processes) for this run's 1 needs about "
+                    f"12.0 MiB free under {c.root} (2 x the checkpoint: DeepSpeed's ds_to_universal), 11.0 MiB free; "
+                    "free space there or move output_dir to a larger disk and rerun, or resume on 2 processes, which "
+                    "needs no conversion")
+    assert e.value.code == 1 and calls == [] and not c.root.exists()
+    assert asked == [tmp_path]  # output_dir does not exist yet: the disk it will be made on
+    free = 12 << 20
+    with pytest.raises(RuntimeError, match="ds_to_universal failed"):  # past the check: the stand-in fails
+        c._universal(source)
+    assert len(calls) == 1

@@ -16,8 +16,25 @@ def test_exit_code_of_the_first_worker_with_a_meaning():
     assert tr.exit_code({0: f(-15, 5), 1: f(3, 6)}) == (3, None)
     code, line = tr.exit_code({0: f(-15, 5), 1: f(7, 6)})
     assert code == 1 and line.startswith("[launch] rank 1 exited with code 7")
-    assert tr.exit_code({1: f(-9, 5)})[1].startswith("[launch] rank 1 was killed by SIGKILL")
+    assert tr.exit_code({1: f(-15, 5)})[1].startswith("[launch] rank 1 was killed by SIGTERM")
     assert tr.exit_code({0: f(-15, 5), 1: f(75, 6)}) == (75, None)  # a dependency is down: retry later
+
+
+def test_a_rank_killed_by_a_signal_is_the_lost_rank_whatever_its_peers_did():
+    """kill -9 or a segfault: 75 and one line naming the rank, its pid and the signal; the peers that its death
+    reached (exit 75 with their line, grpo.errors.peer_lost_exit) or that torchrun then stopped (SIGTERM, or SIGKILL
+    30 s later when stuck in a collective: recorded after the lost one) are not it."""
+    f = lambda code, pid, m=None: SimpleNamespace(exitcode=code, pid=pid, timestamp=5, message=m)  # noqa: E731
+    peer = f(75, 10, {"message": "error: a collective failed (...)"})
+    for sig, name in ((9, "SIGKILL"), (11, "SIGSEGV")):
+        code, line = tr.exit_code({1: f(-sig, 11), 0: peer})
+        assert code == 75 and line.startswith(f"error: rank 1 (pid 11 on ") and "\n" not in line
+        assert f"was killed by signal {sig} ({name})" in line and "checkpoint.resume=auto" in line
+    assert tr.exit_code({0: f(-9, 10), 1: f(-15, 11)})[1].startswith("error: rank 0 (pid 10 ")
+    assert tr.exit_code({1: f(-9, 11), 0: f(-9, 10)})[1].startswith("error: rank 1 (pid 11 ")  # dict order: first
+    # no signal death but torchrun's own stop: no lost rank here; the peer's line is the one to print
+    assert tr.exit_code({0: peer, 1: f(-15, 11)}) == (75, peer.message["message"])
+    assert tr.exit_code({1: f(-9, 11)}, killed=True)[0] == 1  # the launcher's own kill after GRACE_S
 
 
 def test_an_outside_failure_one_rank_met_alone_is_its_line():
@@ -27,6 +44,19 @@ def test_an_outside_failure_one_rank_met_alone_is_its_line():
     said = lambda code, t, m: SimpleNamespace(exitcode=code, timestamp=t, message=m)  # noqa: E731
     assert tr.exit_code({0: said(-15, 6, "Signal 15"), 1: said(1, 5, {"message": line})}) == (1, line)
     assert tr.exit_code({0: said(1, 6, {"message": line}), 1: said(1, 5, {"message": line})}) == (1, None)
+
+
+def test_a_rank_that_ended_because_its_peer_had_is_no_cause():
+    """grpo.errors.peer_lost_exit's ranks (75, "error: a collective failed ..." in their error file) follow from
+    another rank's end: its code and line win; alone (that rank ran on another machine) they are the line to print."""
+    said = lambda code, m: SimpleNamespace(exitcode=code, pid=1, timestamp=5, message={"message": m})  # noqa: E731
+    follow = said(75, "error: a collective failed (Connection closed by peer): another rank died")
+    disk = "error: output_dir: cannot write /x (metrics): Read-only file system (EROFS); ..."
+    assert tr.exit_code({0: follow, 1: follow}) == (75, follow.message["message"])
+    assert tr.exit_code({0: follow, 1: said(1, disk)}) == (1, disk)  # rank 1 met it alone and printed nothing
+    assert tr.exit_code({0: said(1, disk), 1: follow}) == (1, None)  # rank 0 printed it
+    stuck = SimpleNamespace(exitcode=-9, pid=2, timestamp=5, message="Signal 9")  # SIGKILLed by torchrun after it
+    assert tr.exit_code({0: said(1, disk), 1: stuck}) == (1, None)
 
 
 def test_bad_grace_period_exits_2(monkeypatch, capsys):
@@ -66,6 +96,9 @@ def test_deepspeed_launchers_workers_and_exit_code():
     assert not is_launch(["pdsh", "-S", "-f", "1024", "-w", "a,b", "cd /x;", "python", "-u", "-m",
                           "deepspeed.launcher.launch"])
     assert not is_launch(["python", "-m", "deepspeed.launcher.runner", "--hostfile", "h"])
-    assert [exit_code(c, False)[0] for c in (0, 2, 3, 1, 241, -15)] == [0, 2, 3, 1, 1, 1]
-    assert exit_code(241, False)[1].startswith("[launch] the DeepSpeed launcher exited with code 241")
+    assert [exit_code(c, False)[0] for c in (0, 2, 3, 75, 1, 200, 241, -15)] == [0, 2, 3, 75, 1, 1, 1, 1]
+    assert exit_code(241, False)[1].startswith("[launch] the DeepSpeed launcher exited with code 241")  # SIGTERM
+    # 256 - signal: a worker killed by it (kill -9, a segfault), a lost rank
+    assert [exit_code(c, False)[0] for c in (247, 245)] == [75, 75]
+    assert exit_code(247, False)[1].startswith("error: a worker was killed by signal 9 (SIGKILL; the DeepSpeed ")
     assert exit_code(0, True) == (1, None)  # killed after the grace period: its own line was printed
