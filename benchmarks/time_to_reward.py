@@ -62,6 +62,10 @@ STRATEGIES: dict[str, tuple[str, list[str], str]] = {
     "nft_dpm": ("recipes/configs/tiny/nft_lora.yaml", ["sampling.tail=dpm2", "sampling.compress_ratio=0.5"],
                 "DiffusionNFT, rollouts by DPM-Solver++(2M) in 3 calls (its source's solver)"),
     "awm": ("recipes/configs/tiny/awm_lora.yaml", [], "AWM: ODE rollouts, advantage-weighted matching"),
+    "grpo_candidates": ("recipes/configs/tiny/grpo_candidates_lora.yaml", [],
+                        "DanceGRPO on the best 2 + worst 2 of 8 candidates, previewed in 3 ODE steps (Sol-RL)"),
+    "nft_candidates": ("recipes/configs/tiny/nft_candidates_lora.yaml", [],
+                       "DiffusionNFT on the best 2 + worst 2 of 8 candidates, previewed in 3 ODE steps (Sol-RL)"),
 }
 
 # What a family changes in the tiny presets (the FLUX.1 tiny world's presets are the strategies' own).

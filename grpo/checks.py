@@ -167,6 +167,8 @@ def _validate_strategy(cfg: RecipeConfig) -> None:
                               "(MixGRPO-Flash: 0.4)")
     elif s.compress_ratio is not None:
         raise ConfigError("sampling.compress_ratio: only for sampling.tail: dpm2; remove it or set tail: dpm2")
+    if s.candidates is not None:
+        _validate_candidates(cfg)
     if s.branch is not None:
         _validate_branch(cfg)
 
@@ -197,6 +199,28 @@ def _validate_branch(cfg: RecipeConfig) -> None:
     if cfg.advantage.std_scope != "group" or cfg.advantage.per_reward:
         raise ConfigError("sampling.branch: advantages are normalised per tree and depth; set advantage.std_scope: "
                           "group and advantage.per_reward: false")
+
+
+def _validate_candidates(cfg: RecipeConfig) -> None:
+    """Candidate selection: the kept candidates are the group, each previewed from its own starting noise."""
+    s, c = cfg.sampling, cfg.sampling.candidates
+    if s.branch is not None:
+        raise ConfigError("sampling.candidates: a tree grows its group from one root, there is no pool to select "
+                          "from; set candidates: null or branch: null")
+    if c.keep_top < 0 or c.keep_bottom < 0 or c.keep_top + c.keep_bottom != s.group_size:
+        raise ConfigError(f"sampling.candidates: keep_top {c.keep_top} + keep_bottom {c.keep_bottom} must be "
+                          f"group_size {s.group_size} (the kept candidates are the group); e.g. "
+                          f"keep_top={s.group_size // 2}, keep_bottom={s.group_size - s.group_size // 2}")
+    if c.pool <= s.group_size:
+        raise ConfigError(f"sampling.candidates.pool: {c.pool} leaves nothing to select from {s.group_size} kept; "
+                          f"use more, e.g. {4 * s.group_size} (Sol-RL keeps 24 of 96), or candidates: null")
+    if not 1 <= c.preview_steps <= s.num_steps:
+        raise ConfigError(f"sampling.candidates.preview_steps: {c.preview_steps}; use 1 .. num_steps = "
+                          f"{s.num_steps} (Sol-RL: 6 of 10)")
+    if s.init_same_noise:
+        # one shared start would make every candidate's preview the same image (the preview is an ODE)
+        raise ConfigError("sampling.init_same_noise: true, but candidate selection ranks candidates by their own "
+                          "starting noise; set false")
 
 
 def _validate_profile(cfg: RecipeConfig) -> None:

@@ -41,8 +41,10 @@ def config_differences(saved: dict, current: dict) -> list[str]:
     """`key: saved -> current` for every setting that shapes training and differs (the schema says which settings
     may change on resume: grpo.config.resume_free)."""
     a, b = _flatten(saved), _flatten(current)
-    keys = sorted(k for k in set(a) | set(b) if not resume_free(k) and not _same(k, a.get(k, "<unset>"),
-                                                                            b.get(k, "<unset>")))
+    # A setting newer than the checkpoint and off now (null, e.g. sampling.candidates) trains as the run did.
+    added_off = {k for k in b if k not in a and b[k] is None}
+    keys = sorted(k for k in (set(a) | set(b)) - added_off
+                  if not resume_free(k) and not _same(k, a.get(k, "<unset>"), b.get(k, "<unset>")))
     return [f"{k}={a.get(k, '<unset>')!r} in the checkpoint, {b.get(k, '<unset>')!r} now" for k in keys]
 
 

@@ -122,6 +122,17 @@ class BranchConfig:
 
 
 @dataclass(kw_only=True)
+class CandidatesConfig:
+    pool: int = setting(help="candidates rolled out per prompt by the preview, each from its own starting noise "
+                             "(Sol-RL: 96)")
+    keep_top: int = setting(help="highest-scoring candidates of a prompt's pool kept and trained (Sol-RL: 12)")
+    keep_bottom: int = setting(help="lowest-scoring candidates kept and trained (Sol-RL: 12); keep_top + "
+                                    "keep_bottom = group_size")
+    preview_steps: int = setting(help="ODE steps of the preview that scores the pool, at most num_steps (Sol-RL: 6 "
+                                      "of 10)")
+
+
+@dataclass(kw_only=True)
 class SamplingConfig:
     resolution: int = setting(help="image side in pixels, a multiple of 16")
     num_steps: int = setting(help="denoising steps per rollout")
@@ -146,6 +157,10 @@ class SamplingConfig:
     branch: BranchConfig | None = setting(
         None, help="BranchGRPO's tree rollouts: each group is one tree from a shared root, computed once per node; "
                    "per-depth advantages; every edge trained; null = independent trajectories")
+    candidates: CandidatesConfig | None = setting(
+        None, help="candidate selection (Sol-RL): per prompt a pool of candidates previewed with fewer ODE steps and "
+                   "scored; the best and worst become the group, rolled out in full from their own noise and trained; "
+                   "null = the group is rolled out directly")
 
 
 @dataclass(kw_only=True)

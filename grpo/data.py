@@ -14,6 +14,9 @@ from grpo.errors import ConfigError
 # Independent random streams, so that e.g. changing the timestep fraction does not change the noise.
 # New streams go at the end so that the existing ones keep their numbers (and their random draws).
 INIT_NOISE, STEP_NOISE, TIMESTEPS, PROMPTS, EVAL_NOISE, WINDOW, MATCH_NOISE = range(7)
+# Candidate selection: a candidate's starting and SDE noise, keyed by its pool index (prompt slot * pool + c),
+# never by a sample index, so a kept candidate's full rollout does not depend on the slot it is kept in.
+POOL_NOISE, POOL_STEP_NOISE = 7, 8
 
 
 def rng_seed(seed: int, step: int, index: int, stream: int) -> int:
@@ -46,9 +49,9 @@ def initial_noise(shape: tuple[int, ...], seed: int, step: int, index: int, stre
     return torch.randn(shape, generator=generator(seed, step, index, stream))
 
 
-def step_noise_generator(seed: int, step: int, sample_id: int) -> torch.Generator:
+def step_noise_generator(seed: int, step: int, sample_id: int, stream: int = STEP_NOISE) -> torch.Generator:
     """The generator that draws the SDE noise of every denoising step of one trajectory, in order."""
-    return generator(seed, step, sample_id, STEP_NOISE)
+    return generator(seed, step, sample_id, stream)
 
 
 # How nft/awm pick the schedule points they train (grpo's transitions always use "uniform"):

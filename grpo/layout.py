@@ -31,6 +31,9 @@ class Layout:
     micro_batches_per_update: int
     trained_transitions: int  # K per trajectory
     grad_accum_steps: int  # backward passes per optimizer step per rank (micro-batches x K)
+    # Candidate selection's preview (sampling.candidates): P * pool candidates, each rank a contiguous share cut
+    # into whole rollout micro-batches, so a preview batch holds the same candidates on any world size. 0 = none.
+    pool_per_step: int = 0
 
     def rank_sample_ids(self, rank: int) -> list[int]:
         """Global sample indices held by `rank`, in rollout order."""
@@ -39,6 +42,11 @@ class Layout:
         return [
             u * per_update_global + rank * n + i for u in range(self.updates_per_step) for i in range(n)
         ]
+
+    def rank_pool_ids(self, rank: int) -> list[int]:
+        """Pool indices (prompt slot * pool + candidate) this rank previews."""
+        n = self.pool_per_step // self.world_size
+        return list(range(rank * n, (rank + 1) * n))
 
     @property
     def updates_per_step(self) -> int:
@@ -92,6 +100,13 @@ def derive_layout(cfg: RecipeConfig, world_size: int) -> Layout:
             f"update block; make micro_batch_size and the {per_rank // b.updates_per_step} images per process and "
             f"update multiples of group_size {s.group_size}"
         )
+    pool = b.prompts_per_step * s.candidates.pool if s.candidates is not None else 0
+    if pool % (world_size * rollout):
+        raise ConfigError(
+            f"sampling.candidates.pool: {b.prompts_per_step} prompts x pool {s.candidates.pool} = {pool} candidates "
+            f"do not split over {world_size} processes into rollout micro-batches of {rollout}; make "
+            f"prompts_per_step*pool a multiple of {world_size * rollout}"
+        )
     # Backward passes per trajectory, fixed for a run as DeepSpeed's gradient accumulation needs.
     k = RolloutPlan.of(cfg).trained_per_trajectory
     per_update = per_rank // b.updates_per_step
@@ -106,4 +121,5 @@ def derive_layout(cfg: RecipeConfig, world_size: int) -> Layout:
         micro_batches_per_update=micro_per_update,
         trained_transitions=k,
         grad_accum_steps=micro_per_update * k,
+        pool_per_step=pool,
     )

@@ -11,6 +11,7 @@ gets this only at batch 1 because its rollout batch (1) differs from its trainin
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -204,6 +205,7 @@ class FluxSampler:
     seed: int
     device: torch.device
     dtype: torch.dtype  # the transformer's
+    scheduler_config: dict | None = None  # the family's scheduler's, for a dynamic shift on another number of steps
 
     @property
     def tree(self) -> Tree | None:
@@ -218,7 +220,15 @@ class FluxSampler:
         latent_size = parts.latent_size(s.resolution)
         return cls(family, vae, parts.vae_scale_factor, latent_size, family.latent_channels(config),
                    bool(config.guidance_embeds), schedule(s, family, latent_size, parts.scheduler_config),
-                   SDEParams(s.eta, s.sde), s, seed, device, dtype)
+                   SDEParams(s.eta, s.sde), s, seed, device, dtype, parts.scheduler_config)
+
+    def with_steps(self, steps: int) -> "FluxSampler":
+        """This sampler on a schedule of `steps` steps with the same shift, its own steps only (no window, tail or
+        tree): candidate selection's preview, sampled with eta 0."""
+        s = dataclasses.replace(self.sampling, num_steps=steps, window=None, tail="euler", compress_ratio=None,
+                                branch=None, candidates=None)
+        return dataclasses.replace(self, sampling=s, sigmas=schedule(s, self.family, self.latent_size,
+                                                                     self.scheduler_config or {}))
 
     def conditioning(self, cache: PromptCache, prompt_idx: list[int]) -> Conditioning:
         return self.family.conditioning(cache.rows(prompt_idx), self.latent_size, self.sampling.guidance,

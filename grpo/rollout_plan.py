@@ -7,6 +7,8 @@ benchmarks/time_to_reward.py, so there is one cost model. Three shapes:
     tree     BranchGRPO's trees: every edge with an advantage is trained; a model call per node
     share    otherwise: K of the objective's points, drawn per micro-batch as a pure function of (seed, step, first
              sample), so the update's micro-batches are the rollout's and the first-pass ratio stays exactly 1
+Candidate selection (grpo/candidates.py) adds its preview to any shape but a tree: pool / group_size candidates of
+preview_steps calls per trained image.
 """
 
 from __future__ import annotations
@@ -77,7 +79,15 @@ class RolloutPlan:
         per_point = self.objective.forwards_per_point()
         if self.tree is not None:
             return self.tree.forwards_per_image(self.tree.trained(), per_point)
-        return self.rollout_calls(self.window(step)) + self.trained_per_trajectory * per_point
+        return (self.preview_calls() + self.rollout_calls(self.window(step))
+                + self.trained_per_trajectory * per_point)
+
+    def preview_calls(self) -> float:
+        """Candidate selection's preview per trained image: pool / group_size candidates of preview_steps calls."""
+        s = self.cfg.sampling
+        if s.candidates is None:
+            return 0
+        return s.candidates.pool * s.candidates.preview_steps / s.group_size
 
     # ----------------------------------------------------------------------------------------------- advantages
     def advantages(self, components: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, dict]:

@@ -3,7 +3,9 @@ forward-process objectives DiffusionNFT and AWM, in one recipe (`algorithm: grpo
 
 One step (`step()`, which the training loop, the tools and the tests all run) reads top to bottom as the algorithm:
     rollout    each rank samples its share of the step's images (grpo: the SDE sampler, recording latents and
-               log-probs, optionally only inside an SDE window; nft: the lagging policy's sampler; awm: the policy's)
+               log-probs, optionally only inside an SDE window; nft: the lagging policy's sampler; awm: the policy's);
+               with candidate selection a cheaper ODE preview of a larger pool per prompt is scored first, and the
+               best and worst candidates of each pool are the group rolled out in full
     reward     each rank scores its own images (with their prompts and dataset metadata); only scalars cross ranks
     advantage  rewards are gathered with their global sample index and normalised within each prompt's group
                (a tree: per depth, over its nodes)
@@ -23,6 +25,8 @@ Features and the settings that control them (see grpo/config.py for every key):
     sampler ....................... sampling.{num_steps, eta, sde: dance|flow|cps, shift, guidance, init_same_noise}
     fast GRPO strategies .......... sampling.window (MixGRPO, Flow-GRPO-Fast), sampling.tail: dpm2 (MixGRPO-Flash),
                                     grpo.ratio_norm (GRPO-Guard), sampling.branch (BranchGRPO's trees, grpo/tree.py)
+    candidate selection ........... sampling.candidates.{pool, keep_top, keep_bottom, preview_steps} (Sol-RL,
+                                    grpo/candidates.py), for every objective
     objective ..................... algorithm: grpo | nft | awm, its settings in the section of that name
                                     (grpo/objectives/: the recipe calls the objective, never asks which it is)
     advantages .................... advantage.{clip, std_scope, eps, per_reward}
@@ -63,6 +67,7 @@ import dataclasses
 import logging
 import signal
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import deepspeed
@@ -76,8 +81,9 @@ from grpo import eval as evals
 from grpo import export, health
 from grpo import lock as out_lock
 from grpo import rng
+from grpo.candidates import Starts
 from grpo.config import RecipeConfig, dump_config, load_config, to_dict
-from grpo.data import micro_batches, prompts_for_step, step_noise_generator
+from grpo.data import POOL_NOISE, micro_batches, prompts_for_step, step_noise_generator
 from grpo.distributed import agreed_outside_failure, gather_by_index, leave
 from grpo.ema import ShardedEMA
 from grpo.errors import (ConfigError, DependencyDown, OutsideFailure, outside_exit, peer_lost_exit, rank_exit,
@@ -277,7 +283,8 @@ class FluxGRPORecipe:
         clock = PhaseClock(phase)
         compiling = compile_seconds()
         with clock("rollout"):
-            chunks = self.rollout(step)
+            starts = self.preview(step)  # with candidate selection: which candidates are the groups
+            chunks = self.rollout(step, starts)
         with clock("reward"):
             rewards, reward_stats = self.score(chunks, step)
             advantages, adv_stats = self.advantages(rewards)
@@ -297,8 +304,8 @@ class FluxGRPORecipe:
             timings["time/compile_s"] = compile_seconds() - compiling
         # Transformer compute per image in forward-equivalents (a backward counts 2): what strategies trade.
         cost = self.plan.forwards_per_image(step)
-        return StepResult(chunks, rewards, advantages, {**reward_stats, **adv_stats, **update.metrics(), **timings,
-                                                        "forwards_per_image": float(cost)})
+        return StepResult(chunks, rewards, advantages, {**starts.stats, **reward_stats, **adv_stats, **update.metrics(),
+                                                        **timings, "forwards_per_image": float(cost)})
 
     def _after_step(self, done: int, stop: health.StopSignal, too_many_skips: bool) -> bool:
         """Held-out eval and checkpoint when due; True when a stop signal arrived (the checkpoint is then written)."""
@@ -355,9 +362,37 @@ class FluxGRPORecipe:
 
     # ---------------------------------------------------------------------------------------------- rollout
     @torch.no_grad()
-    def rollout(self, step: int) -> list[Chunk]:
-        """Sample this rank's trajectories, rollout micro-batch by rollout micro-batch, cut them into the update's
-        micro-batches (the unit of everything after), and decode x0 predicted at the last step."""
+    def preview(self, step: int) -> Starts:
+        """Where each sample of the step starts. Candidate selection (sampling.candidates, grpo/candidates.py): this
+        rank's share of every prompt's pool, previewed with the rollout's weights in fewer ODE steps from each
+        candidate's own noise, scored; every rank keeps the same best and worst of each pool from the gathered
+        scores. The ODE makes a preview the noise's own outcome: with ODE rollouts (nft, awm) the kept sample is the
+        same trajectory at the full steps; an SDE rollout (grpo) adds its own noise from there."""
+        cfg, c, lay = self.cfg, self.cfg.sampling.candidates, self.layout
+        if c is None:
+            return Starts.own(lay.samples_per_step, cfg.sampling.group_size, cfg.sampling.init_same_noise)
+        prompt_of_slot = prompts_for_step(len(self.train_prompts), cfg.batch.prompts_per_step, cfg.seed, step)
+        previewer = self.sampler.with_steps(c.preview_steps)
+        batches = []
+        with (self.objective.rollout_weights(self.models),
+              eng.inference_module(self.engine, cfg.deepspeed.gather_for_rollout) as model):
+            for ids in progress(micro_batches(lay.rank_pool_ids(self.rank), lay.rollout_micro_batch_size),
+                                f"preview {step}", self.show_progress):
+                prompt_idx = [prompt_of_slot[i // c.pool] for i in ids]
+                cond = self.sampler.conditioning(self.train_prompts, prompt_idx)
+                traj = previewer.sample(model, cond, self.sampler.initial_latents(step, ids, POOL_NOISE), eta=0.0)
+                batches.append((ids, prompt_idx, traj.x0))
+        # decoded batch by batch as they are scored: a pool's images at once would be pool / group_size times the
+        # step's
+        local, ids = self._rewards_of((i, p, self.sampler.decode(x0)) for i, p, x0 in batches)
+        components = gather_by_index(local, ids, lay.pool_per_step)
+        return Starts.selected(mix(components, self.rewards.weights.to(components.device)), c.pool, c.keep_top,
+                               c.keep_bottom)
+
+    @torch.no_grad()
+    def rollout(self, step: int, starts: Starts) -> list[Chunk]:
+        """Sample this rank's trajectories from their `starts`, rollout micro-batch by rollout micro-batch, cut them
+        into the update's micro-batches (the unit of everything after), and decode x0 predicted at the last step."""
         cfg, g, lay = self.cfg, self.cfg.sampling.group_size, self.layout
         prompt_of_slot = prompts_for_step(len(self.train_prompts), cfg.batch.prompts_per_step, cfg.seed, step)
         window = self.plan.window(step)  # None: every step SDE, a random share of them trained per chunk
@@ -367,11 +402,10 @@ class FluxGRPORecipe:
             for ids in progress(micro_batches(lay.rank_sample_ids(self.rank), lay.rollout_micro_batch_size),
                                 f"rollout {step}", self.show_progress):
                 prompt_idx = [prompt_of_slot[s // g] for s in ids]
-                noise_keys = [s // g for s in ids] if cfg.sampling.init_same_noise else ids
                 cond = self.sampler.conditioning(self.train_prompts, prompt_idx)
-                traj = self.sampler.sample(model, cond, self.sampler.initial_latents(step, noise_keys),
-                                           [step_noise_generator(cfg.seed, step, s) for s in ids], window,
-                                           keep_means=self.objective.keep_means)
+                init = self.sampler.initial_latents(step, [starts.init_keys[s] for s in ids], starts.init_stream)
+                noise = [step_noise_generator(cfg.seed, step, starts.sde_keys[s], starts.sde_stream) for s in ids]
+                traj = self.sampler.sample(model, cond, init, noise, window, keep_means=self.objective.keep_means)
                 for i in range(0, len(ids), lay.micro_batch_size):
                     rows = slice(i, i + lay.micro_batch_size)
                     trained = self.plan.trained(step, window, ids[rows][0])
@@ -384,15 +418,9 @@ class FluxGRPORecipe:
     @torch.no_grad()
     def score(self, chunks: list[Chunk], step: int) -> tuple[torch.Tensor, dict]:
         """Score own images, gather the per-reward scores with their global index, mix them. Returns [N] rewards."""
-        local, ids = [], []
-        with agreed_outside_failure(self.device), self.rewards.on_device():  # e.g. a reward server that went away
-            for c in chunks:
-                prompts = [self.train_prompts.prompts[i] for i in c.prompt_idx]
-                metadata = [self.train_prompts.metadata[i] for i in c.prompt_idx]  # its dataset row, like the prompt
-                local.append(self.rewards(c.images, prompts, metadata).float())
-                ids.extend(c.ids)
-        local = health.inject("nan_reward", step, self.rank, torch.cat(local))  # a no-op outside fault tests
-        components = gather_by_index(local, torch.tensor(ids, device=local.device), self.layout.samples_per_step)
+        local, ids = self._rewards_of([(c.ids, c.prompt_idx, c.images) for c in chunks])
+        local = health.inject("nan_reward", step, self.rank, local)  # a no-op outside fault tests
+        components = gather_by_index(local, ids, self.layout.samples_per_step)
         nonfinite = finite_check(components, self.rewards.names)  # over every rank's images
         total = mix(components, self.rewards.weights.to(components.device))
         stats = {"reward_mean": total.mean().item(), "reward_std": total.std().item()}
@@ -400,6 +428,19 @@ class FluxGRPORecipe:
             stats[f"reward/{name}_mean"] = components[:, i].mean().item()
         stats.update({f"nonfinite/{k}": float(v) for k, v in nonfinite.items()})
         return components, stats
+
+    def _rewards_of(self, batches: Iterable[tuple[list[int], list[int], torch.Tensor]]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's per-reward scores [n, R] of (global indices, prompt rows, images) batches, and the indices."""
+        local, ids = [], []
+        with agreed_outside_failure(self.device), self.rewards.on_device():  # e.g. a reward server that went away
+            for batch_ids, prompt_idx, images in batches:
+                prompts = [self.train_prompts.prompts[i] for i in prompt_idx]
+                metadata = [self.train_prompts.metadata[i] for i in prompt_idx]  # its dataset row, like the prompt
+                local.append(self.rewards(images, prompts, metadata).float())
+                ids.extend(batch_ids)
+        local = torch.cat(local)
+        return local, torch.tensor(ids, device=local.device)
 
     # -------------------------------------------------------------------------------------------- advantage
     def advantages(self, components: torch.Tensor) -> tuple[torch.Tensor, dict]:

@@ -88,7 +88,8 @@ def test_same_step_on_one_and_two_processes(lora_runs, full_kl_runs, which):
 # window is [0, 2), so Flash's tail has floor((6 - 1) * 0.5) = 2 points (one solver step after the window); Flash*'s
 # window is [0, 1) at every step, with floor(6 * 0.5) = 3 tail points (two solver steps) and one trained transition,
 # as AWM's rollout (an Euler step, then two solver steps); a tree of 4 pays per node (17 rollout calls, 13 trained
-# edges' parents); nft rolls out all 6 steps; then per noise level 3 + the lagging forward (+ the KL's).
+# edges' parents); nft rolls out all 6 steps; then per noise level 3 + the lagging forward (+ the KL's). Candidate
+# selection (Sol-RL) previews a pool of 8 per prompt in 3 ODE steps: 8 x 3 / 4 = 6 more per trained image.
 PRESETS = {
     "mixgrpo_flash": ("recipes/configs/tiny/mixgrpo_flash_lora.yaml", ["grpo.ratio_norm=true"], 3 + 3 * 2),
     "flash_frozen": ("recipes/configs/tiny/mixgrpo_flash_frozen_lora.yaml", [], 1 + 2 + 3 * 1),
@@ -97,11 +98,15 @@ PRESETS = {
     "nft": ("recipes/configs/tiny/nft_lora.yaml", ["nft.kl_coef=1e-4"], 6 + 2 * (3 + 1 + 1)),
     "awm": ("recipes/configs/tiny/awm_lora.yaml", ["sampling.tail=dpm2", "sampling.compress_ratio=0.5"],
             3 + 2 * (3 + 1)),
+    "grpo_candidates": ("recipes/configs/tiny/grpo_candidates_lora.yaml", [], 6 + 6 + 5 * 3),
+    "nft_candidates": ("recipes/configs/tiny/nft_candidates_lora.yaml", [], 6 + 6 + 2 * (3 + 1)),
 }
+# The same code paths as another preset's: with -m slow (CI time).
+SLOW_PRESETS = ("flash_frozen", "nft_candidates")
 
 
-# MixGRPO-Flash* is MixGRPO-Flash with its window frozen: the same code paths, so it runs with -m slow (CI time).
-@pytest.fixture(scope="module", params=[pytest.param(k, marks=pytest.mark.slow) if k == "flash_frozen" else k
+# MixGRPO-Flash* is MixGRPO-Flash with its window frozen, nft_candidates grpo_candidates' selection on nft's step.
+@pytest.fixture(scope="module", params=[pytest.param(k, marks=pytest.mark.slow) if k in SLOW_PRESETS else k
                                         for k in PRESETS])
 def preset_runs(request, tmp_path_factory):
     """The preset's step on 2 processes; the 1-process run is made only by the test that compares them (-m slow)."""
@@ -116,7 +121,7 @@ def _preset_step(tmp, name: str, nproc: int) -> dict:
 
 
 def _assert_first_pass(name: str, stats: dict) -> None:
-    if name not in ("nft", "awm"):
+    if not name.startswith(("nft", "awm")):
         assert stats["ratio_max_dev"] == 0.0, stats
     else:
         assert "ratio_max_dev" not in stats  # no transition log-prob: nothing to log
@@ -131,6 +136,8 @@ def test_strategies_and_objectives_keep_the_first_pass_ratio_and_their_cost(pres
     assert runs[2]["stats"]["forwards_per_image"] == PRESETS[name][2]
     if name == "flowgrpo_fast":
         assert runs[2]["stats"]["clip_frac"] > 0.0  # the second, off-policy block is clipped at 1e-5
+    if name.endswith("_candidates"):  # the kept best and worst of each pool are apart in the preview
+        assert runs[2]["stats"]["candidates/kept_preview_spread"] > 0.0
 
 
 # CI time: one more run per preset (~30 s each on 2 cores). The default tier keeps 1 vs 2 processes for plain grpo
@@ -146,8 +153,12 @@ def test_strategies_and_objectives_are_the_same_on_one_and_two_processes(preset_
     # 3.6e-5 of the tensor's norm), while the loss and the gradient norm agree to rounding.
     # AWM on the EPYC host (AVX2; the one-process run all-reduces, the two-process run reduce-scatters): one LoRA B
     # moved 1.26e-5 of its norm (max 5.6e-6 absolute, 0.06% of one Adam step), with the gradient norm equal to 2.5e-9.
-    rel, max_abs = {"mixgrpo_flash": (3e-5, 1e-5), "awm": (3e-5, 1e-5), "nft": (1e-4, 1e-4)}.get(name, (1e-5, 1e-5))
+    rel, max_abs = {"mixgrpo_flash": (3e-5, 1e-5), "awm": (3e-5, 1e-5), "nft": (1e-4, 1e-4)}.get(
+        name.removesuffix("_candidates"), (1e-5, 1e-5))
     assert_same_step(runs[1], runs[2], rel=rel, max_abs=max_abs)
+    # candidate selection: the same previews, so the same candidates kept (the rewards above are theirs)
+    for key in (k for k in runs[2]["stats"] if k.startswith("candidates/")):
+        assert runs[1]["stats"][key] == runs[2]["stats"][key], key
 
 
 def test_lora_reference_is_the_base_model(lora_runs):
