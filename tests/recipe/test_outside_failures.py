@@ -171,10 +171,12 @@ def test_a_refused_resume_leaves_output_dir_as_it_was(tmp_path):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 3 MiB tmpfs (room for one tiny LoRA checkpoint of 1.5 MiB and the run's other files, not two); root only."""
+    """A 2.8 MiB tmpfs (room for one tiny LoRA checkpoint of 1.47 MiB and the run's other files, not two: at 3 MiB two
+    fitted once the run's other files had shrunk); root only."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2800k", "tmpfs", str(mount)],
+                      capture_output=True).returncode:
         pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
     try:
         yield mount
@@ -194,7 +196,7 @@ def test_a_full_disk_during_a_checkpoint_ends_with_one_line_and_keeps_the_previo
     assert rc == 1, log[-3000:]
     root = out / "checkpoints"
     line = one_error_line(log)
-    # Caught before writing: step 2's checkpoint needs step 1's 1.5 MiB, which the 3 MiB disk no longer has.
+    # Caught before writing: step 2's checkpoint needs step 1's 1.5 MiB, which the 2.8 MiB disk no longer has.
     assert line.startswith(f"error: checkpoint: no space left on the device of {root} for "
                            f"{ckpt.checkpoint_name(2)} (needs about 1.5 MiB"), line
     assert f"the previous checkpoint {root / ckpt.checkpoint_name(1)} is intact" in line
