@@ -169,13 +169,11 @@ def test_a_refused_resume_leaves_output_dir_as_it_was(tmp_path):
     assert (snapshot(out), _stat(out), _stat(out / "checkpoints")) == before
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 2.8 MiB tmpfs (room for one tiny LoRA checkpoint of 1.47 MiB and the run's other files, not two: at 3 MiB two
-    fitted once the run's other files had shrunk); root only."""
+def _tmpfs(tmp_path, size: str):
+    """A tmpfs of `size` mounted at tmp_path/disk for the test's length; root only (else the test is skipped)."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2800k", "tmpfs", str(mount)],
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
                       capture_output=True).returncode:
         pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
     try:
@@ -184,13 +182,21 @@ def small_disk(tmp_path):
         subprocess.run(["umount", str(mount)], check=True)
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2.8 MiB tmpfs (room for one tiny LoRA checkpoint of 1.47 MiB and the run's other files, not two: at 3 MiB two
+    fitted once the run's other files had shrunk)."""
+    yield from _tmpfs(tmp_path, "2800k")
+
+
 @pytest.mark.slow
-def test_a_full_disk_during_a_checkpoint_ends_with_one_line_and_keeps_the_previous_one(tmp_path, small_disk):
+def test_a_full_disk_during_a_checkpoint_ends_with_one_line_and_keeps_the_previous_one(tmp_path, small_disk,
+                                                                                       uninterrupted):
     out = small_disk / "run"
-    run = Run.start(["bash", str(ROOT / "launch" / "run.sh"), LORA, *tiny_run(tmp_path), "max_steps=3",
-                     "checkpoint.every=1", "checkpoint.keep=1", "data.eval_prompts=null", "logging.sample_every=0",
-                     "logging.tensorboard=false", f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={out}"],
-                    tmp_path / "run.log", script_env({"NPROC": "2", "MASTER_PORT": str(free_port())}))
+    command = ["bash", str(ROOT / "launch" / "run.sh"), LORA, *tiny_run(tmp_path), "max_steps=3",
+               "checkpoint.every=1", "checkpoint.keep=1", "data.eval_prompts=null", "logging.sample_every=0",
+               "logging.tensorboard=false", f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={out}"]
+    run = Run.start(command, tmp_path / "run.log", script_env({"NPROC": "2", "MASTER_PORT": str(free_port())}))
     rc = run.wait(600)
     log = run.log.read_text(errors="replace")
     assert rc == 1, log[-3000:]
@@ -206,6 +212,18 @@ def test_a_full_disk_during_a_checkpoint_ends_with_one_line_and_keeps_the_previo
     assert not list(root.glob(".tmp-*"))
     assert (root / ckpt.LATEST).read_text() == ckpt.checkpoint_name(1)
     assert ckpt.newest_valid(root) == root / ckpt.checkpoint_name(1)
+    # Space freed (the disk grown), checkpoint.resume=auto ends where the uninterrupted run does
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    resumed = Run.start([*command, "checkpoint.resume=auto"], tmp_path / "resumed.log",
+                        script_env({"NPROC": "2", "MASTER_PORT": str(free_port())}))
+    assert resumed.wait(600) == 0, resumed.tail()
+    whole = uninterrupted[1]
+    a, b = train_rows(whole), train_rows(out)
+    assert [r["step"] for r in b] == [0, 1, 2]
+    for ra, rb in zip(a, b):
+        assert {k: ra.get(k) for k in COMPARED} == {k: rb.get(k) for k in COMPARED}, ra["step"]
+    la, lb = (load_file(str(next((d / "final" / "lora").glob("*.safetensors")))) for d in (whole, out))
+    assert la.keys() == lb.keys() and all((la[k] == lb[k]).all() for k in la)
 
 
 @pytest.fixture(scope="module")
@@ -262,15 +280,8 @@ def test_a_rank_killed_mid_run_ends_with_75_naming_it_and_resumes_exactly(tmp_pa
 
 @pytest.fixture
 def remountable_disk(tmp_path):
-    """A 64 MiB tmpfs that the test remounts read-only mid-run (as root, chmod would not stop the writes); root only."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True).returncode:
-        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
+    """A 64 MiB tmpfs that the test remounts read-only mid-run (as root, chmod would not stop the writes)."""
+    yield from _tmpfs(tmp_path, "64m")
 
 
 @pytest.mark.slow
