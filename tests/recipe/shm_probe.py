@@ -10,6 +10,7 @@ import torch.distributed as dist
 from grpo import device
 
 info = device.init_distributed()
+dist.barrier()  # every rank past its own unlink
 left = [str(p) for p in map(device.shm_buffer_path, range(info.world_size)) if p.exists()]
 with open("/proc/self/maps") as maps:  # the buffer is still mapped (its name gone) when DeepSpeed made one
     made = any(device.shm_buffer_path(info.rank).name in line for line in maps)
