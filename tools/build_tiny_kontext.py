@@ -77,12 +77,11 @@ def build_kontext(out: Path, source: Path = SOURCE, copy: bool = False, transfor
         train_edits(pipe, transformer_steps, transformer_batch, transformer_lr, shift, images_per_prompt, generator)
         seconds = {"transformer": round(time.perf_counter() - start, 1)}
         pipe.transformer.save_pretrained(out / "transformer")
-        info = {"family": "flux1-kontext", "from": os.path.relpath(source, out), "copy": copy, "seed": seed,
-                "transformer_steps": transformer_steps, "transformer_batch": transformer_batch,
-                "transformer_lr": transformer_lr, "shift": shift, "images_per_prompt": images_per_prompt,
-                "threads": torch.get_num_threads(),
-                "note": "the source's components under FluxKontextPipeline, the transformer trained to edit "
-                        "(tools/build_tiny_kontext.py)"}
+        info.update(seed=seed, transformer_steps=transformer_steps, transformer_batch=transformer_batch,
+                    transformer_lr=transformer_lr, shift=shift, images_per_prompt=images_per_prompt,
+                    threads=torch.get_num_threads(),
+                    note="the source's components under FluxKontextPipeline, the transformer trained to edit "
+                         "(tools/build_tiny_kontext.py)")
         if eval_seeds > 0:
             start = time.perf_counter()
             info["eval"] = evaluate(pipe, eval_steps, list(range(eval_seeds)))
