@@ -57,6 +57,8 @@ STRATEGIES: dict[str, tuple[str, list[str], str]] = {
     "flash_frozen": ("recipes/configs/tiny/mixgrpo_flash_frozen_lora.yaml", [],
                      "Flow-SDE at step 0 only + DPM-Solver++(2M) tail (Flash*)"),
     "flowgrpo_fast": ("recipes/configs/tiny/flowgrpo_fast_lora.yaml", [], "CPS window of 2, random start (Fast)"),
+    "flashgrpo": ("recipes/configs/tiny/flashgrpo_lora.yaml", [],
+                  "one SDE step per group, shared, its loss rescaled per timestep (Flash-GRPO)"),
     "branchgrpo": ("recipes/configs/tiny/branchgrpo_lora.yaml", [], "trees of 4 splitting at steps 0, 2 (BranchGRPO)"),
     "nft": ("recipes/configs/tiny/nft_lora.yaml", [], "DiffusionNFT: ODE rollouts, implicit +/- policies"),
     "nft_dpm": ("recipes/configs/tiny/nft_lora.yaml", ["sampling.tail=dpm2", "sampling.compress_ratio=0.5"],

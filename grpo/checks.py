@@ -142,20 +142,21 @@ def _validate_strategy(cfg: RecipeConfig) -> None:
         bound = s.num_steps - 2  # the last two transitions are never trained (MixGRPO's max_timesteps)
         if not 1 <= w.size <= bound:
             raise ConfigError(f"sampling.window.size: {w.size}; use 1 .. num_steps - 2 = {bound}")
-        need = {"progressive": ("shift_every", "stride"), "random": ("high",)}[w.placement]
-        unused = {"progressive": ("high",), "random": ("shift_every", "stride")}[w.placement]
-        for key in need:
+        keys = {"progressive": ("shift_every", "stride"), "random": ("high",), "group": ("high",)}
+        for key in keys[w.placement]:
             if getattr(w, key) is None:
                 raise ConfigError(f"sampling.window.{key}: required with placement {w.placement} (see --help)")
-        for key in unused:
+        for key in {"shift_every", "stride", "high"} - set(keys[w.placement]):
             if getattr(w, key) is not None:
-                raise ConfigError(f"sampling.window.{key}: only for the other placement; remove it")
+                raise ConfigError(f"sampling.window.{key}: not read by placement {w.placement}; remove it")
         if w.placement == "progressive" and (w.shift_every < 1 or w.stride < 0):
             raise ConfigError(f"sampling.window: shift_every {w.shift_every} must be >= 1 and stride {w.stride} "
                               ">= 0 (MixGRPO: 25 and 1)")
-        if w.placement == "random" and not w.size <= w.high <= s.num_steps - 1:
+        if w.placement != "progressive" and not w.size <= w.high <= s.num_steps - 1:
             raise ConfigError(f"sampling.window.high: {w.high}; use size .. num_steps - 1 = {s.num_steps - 1} "
-                              f"(Flow-GRPO-Fast: num_steps // 2)")
+                              f"(Flow-GRPO-Fast, Flash-GRPO: num_steps // 2)")
+        if w.placement == "group":
+            _validate_group_window(cfg)
     if s.tail == "dpm2":
         if w is None and _trains_transitions(cfg):
             raise ConfigError("sampling.tail: dpm2 replaces the steps after an SDE window (or, for nft and awm, the "
@@ -171,6 +172,18 @@ def _validate_strategy(cfg: RecipeConfig) -> None:
         _validate_candidates(cfg)
     if s.branch is not None:
         _validate_branch(cfg)
+
+
+def _validate_group_window(cfg: RecipeConfig) -> None:
+    """A rollout micro-batch runs one schedule of SDE and ODE steps, so it must not cut a group's samples apart
+    from their window: it holds whole groups or lies inside one."""
+    s, rollout = cfg.sampling, cfg.batch.rollout_micro_batch
+    if rollout % s.group_size and s.group_size % rollout:
+        raise ConfigError(f"batch.rollout_micro_batch_size: {rollout} with sampling.window.placement group (one window "
+                          f"per group): make it a multiple or a divisor of group_size {s.group_size}")
+    if s.tail == "dpm2":
+        raise ConfigError("sampling.tail: dpm2 after a window per group would give each group its own cost; use "
+                          "tail: euler with placement group")
 
 
 def _trains_transitions(cfg: RecipeConfig) -> bool:

@@ -101,15 +101,16 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class WindowConfig:
-    placement: str = setting(choices=("progressive", "random"),
+    placement: str = setting(choices=("progressive", "random", "group"),
                              help="progressive: the window slides over the steps as training goes on (MixGRPO); "
-                                  "random: a new seeded start every GRPO step (Flow-GRPO-Fast)")
+                                  "random: a new seeded start every GRPO step (Flow-GRPO-Fast); group: a seeded "
+                                  "start per prompt group, shared by its samples (Flash-GRPO: size 1)")
     size: int = setting(help="SDE steps per rollout, all of them trained (MixGRPO: 4; Flow-GRPO-Fast: 3)")
     shift_every: int | None = setting(None, help="progressive: GRPO steps before the window moves (MixGRPO tau: 25)")
     stride: int | None = setting(None, help="progressive: steps the window moves each time (MixGRPO: 1); 0 = fixed "
                                             "at the first steps (MixGRPO-Flash*)")
-    high: int | None = setting(None, help="random: starts are drawn from [0, high - size] (Flow-GRPO-Fast: "
-                                          "num_steps // 2)")
+    high: int | None = setting(None, help="random, group: starts are drawn from [0, high - size] (Flow-GRPO-Fast "
+                                          "and Flash-GRPO: num_steps // 2)")
 
 
 @dataclass(kw_only=True)

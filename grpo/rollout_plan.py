@@ -38,9 +38,10 @@ class RolloutPlan:
         return cls(cfg, objective_of(cfg), Tree.of(cfg.sampling))
 
     # ------------------------------------------------------------------------------------------ what is trained
-    def window(self, step: int) -> range | None:
-        """The SDE window of step `step` (grpo/windows.py), or None: every step SDE (or ODE with eta 0)."""
-        return rollout_window(self.cfg.sampling, self.cfg.seed, step)
+    def window(self, step: int, first_sample: int = 0) -> range | None:
+        """The SDE window of step `step` for the rollout micro-batch starting at global sample `first_sample`
+        (grpo/windows.py; only a window per group reads it), or None: every step SDE (or ODE with eta 0)."""
+        return rollout_window(self.cfg.sampling, self.cfg.seed, step, first_sample)
 
     @property
     def trained_per_trajectory(self) -> int:

@@ -23,6 +23,7 @@ __all__ = [
     "dynamic_sigmas",
     "gaussian_log_prob",
     "kl_same_std",
+    "log_prob_gain",
     "predicted_x0",
     "sde_mean_std",
     "sde_sample",
@@ -199,6 +200,22 @@ def sde_mean_std(x: Tensor, v: Tensor, sigma: float | Tensor, sigma_next: float 
     gb, db = _bcast(g, x.ndim), _bcast(delta, x.ndim)
     mean = x - db * (v + gb**2 / (2.0 * sb) * (x + (1.0 - sb) * v))
     return mean, std
+
+
+def log_prob_gain(sigma: float, sigma_next: float, *, eta: float, kind: str, sigma_max: float | None = None) -> float:
+    """How strongly one step's log-prob answers the velocity: |d log_prob / d v| per unit of the step's noise.
+
+    Every kind's mean is linear in v, mean = ... + a·v, and the stored sample is mean + std·eps, so the log-prob's
+    gradient in v is eps·a/std for the Gaussian kinds (dance, flow) and 2·eps·a·std for cps (its unnormalised
+    -(x' - mean)²). For flow that is sqrt(delta)/g + g·sqrt(delta)·(1 - sigma)/(2·sigma): Flash-GRPO's
+    `value` (Shredded-Pork/Flash-GRPO@4211013 scripts/train_wanx2_1_flash.py:983, its comment). a and std are read off
+    sde_mean_std itself (at x = 0, v = 0 and 1), so the gain is the sampler's own, for every kind.
+    """
+    zero = torch.zeros(1)
+    m0, std = sde_mean_std(zero, zero, sigma, sigma_next, eta=eta, kind=kind, sigma_max=sigma_max)
+    m1, _ = sde_mean_std(zero, torch.ones(1), sigma, sigma_next, eta=eta, kind=kind, sigma_max=sigma_max)
+    a, std = float((m1 - m0).abs()), float(std)
+    return 2.0 * a * std if kind == "cps" else a / std
 
 
 def sde_sample(mean: Tensor, std: Tensor, kind: str, *, noise: Tensor | None = None,

@@ -6,18 +6,25 @@ denoising step indices i (step i maps x_i at sigma_i to x_{i+1} at sigma_{i+1}),
 
 Sources: MixGRPO (Tencent-Hunyuan/MixGRPO@e5cdd6a fastvideo/utils/grpo_states.py GRPOTrainingStates; paper
 arXiv 2507.21802 §3, sliding window) and Flow-GRPO-Fast (yifan123/flow_grpo, flux_pipeline_with_logprob_fast.py,
-checked at zhtmike/flow_grpo@a1f47c5, a fork carrying the same file; no paper, repository README 2025-07-31).
+checked at zhtmike/flow_grpo@a1f47c5, a fork carrying the same file; no paper, repository README 2025-07-31), and
+Flash-GRPO's one SDE step per trajectory, shared by its group (Shredded-Pork/Flash-GRPO@4211013
+scripts/train_wanx2_1_flash.py:693-706: per prompt one step index drawn uniformly from the first 10 of 20, every
+other step ODE; ICML 2026, arXiv 2605.15980): placement "group", size 1, high num_steps // 2.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from grpo.config import SamplingConfig
 from grpo.data import WINDOW, generator
 from grpo.errors import ConfigError
 
-__all__ = ["rollout_window", "sde_mask", "trainable_bound", "random_window", "window"]
+if TYPE_CHECKING:  # annotations only: grpo.config's checks import the objectives, which import this module
+    from grpo.config import SamplingConfig
+
+__all__ = ["rollout_window", "sde_mask", "trainable_bound", "trainable_range", "random_window", "window"]
 
 
 def trainable_bound(num_steps: int) -> int:
@@ -124,11 +131,29 @@ def sde_mask(win: range, num_steps: int) -> list[bool]:
     return [i in win for i in range(num_steps)]
 
 
-def rollout_window(s: SamplingConfig, seed: int, step: int) -> range | None:
-    """The SDE window of GRPO step `step` under the preset's `sampling.window`, or None (every step SDE)."""
+def rollout_window(s: SamplingConfig, seed: int, step: int, first_sample: int = 0) -> range | None:
+    """The SDE window of GRPO step `step` under the preset's `sampling.window`, or None (every step SDE).
+
+    `first_sample`: the global index of a rollout micro-batch's first sample. Only placement "group" reads it: one
+    window per prompt group (Flash-GRPO's iso-temporal grouping), drawn as "random" draws but keyed by the group
+    s // group_size, so the group's samples share it on any world size (grpo/checks.py makes every rollout
+    micro-batch hold whole groups or part of one; groups sharing a micro-batch share its first group's window).
+    """
     w = s.window
     if w is None:
         return None
     if w.placement == "progressive":
         return window(step, s.num_steps, w.size, w.shift_every, w.stride)
-    return random_window(step, s.num_steps, w.size, 0, w.high, seed)
+    index = first_sample // s.group_size if w.placement == "group" else 0
+    return random_window(step, s.num_steps, w.size, 0, w.high, seed, index)
+
+
+def trainable_range(s: SamplingConfig, points: int) -> range:
+    """Every transition a run's windows can train, of the `points` a trajectory has: the random and group windows'
+    [0, high), the progressive one's [0, T - 2), without a window all of them."""
+    w = s.window
+    if w is None:
+        return range(points)
+    if w.placement == "progressive":
+        return range(trainable_bound(s.num_steps))
+    return range(w.high)

@@ -23,8 +23,9 @@ Features and the settings that control them (see grpo/config.py for every key):
     sharding/offload/precision .... deepspeed.config (ds_configs/*.json); batch fields are derived, never set there
     activation recompute .......... model.gradient_checkpointing
     sampler ....................... sampling.{num_steps, eta, sde: dance|flow|cps, shift, guidance, init_same_noise}
-    fast GRPO strategies .......... sampling.window (MixGRPO, Flow-GRPO-Fast), sampling.tail: dpm2 (MixGRPO-Flash),
-                                    grpo.ratio_norm (GRPO-Guard), sampling.branch (BranchGRPO's trees, grpo/tree.py)
+    fast GRPO strategies .......... sampling.window (MixGRPO, Flow-GRPO-Fast; placement group: Flash-GRPO, with
+                                    grpo.timestep_rescale), sampling.tail: dpm2 (MixGRPO-Flash), grpo.ratio_norm
+                                    (GRPO-Guard), sampling.branch (BranchGRPO's trees, grpo/tree.py)
     candidate selection ........... sampling.candidates.{pool, keep_top, keep_bottom, preview_steps} (Sol-RL,
                                     grpo/candidates.py), for every objective
     objective ..................... algorithm: grpo | nft | awm, its settings in the section of that name
@@ -395,13 +396,13 @@ class FluxGRPORecipe:
         into the update's micro-batches (the unit of everything after), and decode x0 predicted at the last step."""
         cfg, g, lay = self.cfg, self.cfg.sampling.group_size, self.layout
         prompt_of_slot = prompts_for_step(len(self.train_prompts), cfg.batch.prompts_per_step, cfg.seed, step)
-        window = self.plan.window(step)  # None: every step SDE, a random share of them trained per chunk
         chunks = []
         with (self.objective.rollout_weights(self.models),
               eng.inference_module(self.engine, cfg.deepspeed.gather_for_rollout) as model):
             for ids in progress(micro_batches(lay.rank_sample_ids(self.rank), lay.rollout_micro_batch_size),
                                 f"rollout {step}", self.show_progress):
                 prompt_idx = [prompt_of_slot[s // g] for s in ids]
+                window = self.plan.window(step, ids[0])  # None: every step SDE, a random share trained per chunk
                 cond = self.sampler.conditioning(self.train_prompts, prompt_idx)
                 init = self.sampler.initial_latents(step, [starts.init_keys[s] for s in ids], starts.init_stream)
                 noise = [step_noise_generator(cfg.seed, step, starts.sde_keys[s], starts.sde_stream) for s in ids]

@@ -20,7 +20,8 @@ from grpo.errors import ConfigError
 from grpo.loss import RatioNorm, grpo_loss
 from grpo.objectives.base import Models, Objective
 from grpo.schema import setting
-from grpo.sde import kl_same_std
+from grpo.sde import kl_same_std, log_prob_gain
+from grpo.windows import trainable_range
 
 if TYPE_CHECKING:
     from grpo.config import RecipeConfig
@@ -35,6 +36,9 @@ class GRPOSettings:
                                        "reference model at all). Flow-GRPO's beta weights KL*dt: kl_coef = beta*dt")
     ratio_norm: bool = setting(False, help="GRPO-Guard's RatioNorm and 1/dt gradient reweighting against the ratio "
                                            "bias of low-noise steps (sampling.sde: flow only)")
+    timestep_rescale: bool = setting(False, help="Flash-GRPO's temporal gradient rectification: transition j's policy "
+                                                 "loss times c_j / mean c over the trainable transitions, c_j = 1 / the "
+                                                 "log-prob's gain in v at j, so every timestep pulls alike")
 
 
 def trained_transitions(num_steps: int, timestep_fraction: float) -> int:
@@ -77,6 +81,9 @@ class GRPO(Objective):
         if g.ratio_norm and s.sde != "flow":
             raise ConfigError(f"grpo.ratio_norm: true needs sampling.sde: flow (GRPO-Guard normalises Flow-SDE "
                               f"log-ratios), got {s.sde}")
+        if g.timestep_rescale and (g.ratio_norm or s.branch is not None):
+            raise ConfigError("grpo.timestep_rescale: true reweights the timesteps as grpo.ratio_norm and a tree's "
+                              "edges do in their own way; use one of them")
         if g.ratio_norm and s.branch is not None:
             raise ConfigError("sampling.branch: needs Gaussian SDE steps without grpo.ratio_norm; set ratio_norm: "
                               "false or branch: null")
@@ -104,13 +111,34 @@ class GRPO(Objective):
         tree = sampler.tree
         if tree is None:
             return grpo_loss(out.log_prob, c.traj.log_probs[:, j], adv, clip_range=g.clip_range, kl=kl,
-                             kl_coef=g.kl_coef, ratio_norm=self._ratio_norm(sampler, out, c, j))
+                             kl_coef=g.kl_coef, ratio_norm=self._ratio_norm(sampler, out, c, j),
+                             weight=self._timestep_weights(sampler)[j] if g.timestep_rescale else 1.0)
         # One row per edge into depth j + 1, with that node's advantage; summed over the edges and divided by the
         # samples, so every edge of the tree weighs the same (the source's loss / (GA * edges per tree)).
         edges = tree.heads(len(c.ids), j + 1).to(adv.device)
         loss, st = grpo_loss(out.log_prob, c.traj.log_probs[edges, j], adv[edges, j + 1], clip_range=g.clip_range,
                              kl=kl, kl_coef=g.kl_coef)
         return loss * (len(edges) / len(c.ids)), st
+
+    def _timestep_weights(self, sampler) -> dict[int, float]:
+        """Flash-GRPO's rescale of each trainable transition j: c_j / mean c, c_j = 1 / log_prob_gain at j.
+
+        Source: Shredded-Pork/Flash-GRPO@4211013 scripts/train_wanx2_1_flash.py:982-995, loss = -w·c_t·A·ratio
+        (clipped alike) with w = 1 / the micro-batch's mean c_t averaged over ranks; c_t is a table for Wan2.1's
+        10 drawable timesteps. Its comment names the gain, but its numbers are 1 / gain (they match Wan2.1's
+        UniPC flow schedule, shift 3, 20 steps, within 0.3%), so the product c_t times the gain is 1 at every t:
+        each timestep's gradient has the same scale. Here c is computed from this run's own schedule and SDE, and
+        normalised by its mean over every transition the run can train (a constant), not by the micro-batch's:
+        the same expected scale, and a weight that does not depend on which samples share a batch or a rank.
+        """
+        if not hasattr(self, "_weights"):
+            s = self.cfg.sampling
+            c = {j: 1.0 / log_prob_gain(float(sampler.sigmas[j]), float(sampler.sigmas[j + 1]), eta=s.eta,
+                                        kind=s.sde, sigma_max=float(sampler.sigmas[1]))
+                 for j in trainable_range(s, self.points(s.num_steps))}
+            mean = sum(c.values()) / len(c)
+            self._weights = {j: v / mean for j, v in c.items()}
+        return self._weights
 
     def _ratio_norm(self, sampler, out, c: Chunk, j: int) -> RatioNorm | None:
         """GRPO-Guard (grpo.ratio_norm): the rollout's and the policy's SDE means of transition j, and its scales."""

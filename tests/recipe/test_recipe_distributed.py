@@ -89,7 +89,9 @@ def test_same_step_on_one_and_two_processes(lora_runs, full_kl_runs, which):
 # window is [0, 1) at every step, with floor(6 * 0.5) = 3 tail points (two solver steps) and one trained transition,
 # as AWM's rollout (an Euler step, then two solver steps); a tree of 4 pays per node (17 rollout calls, 13 trained
 # edges' parents); nft rolls out all 6 steps; then per noise level 3 + the lagging forward (+ the KL's). Candidate
-# selection (Sol-RL) previews a pool of 8 per prompt in 3 ODE steps: 8 x 3 / 4 = 6 more per trained image.
+# selection (Sol-RL) previews a pool of 8 per prompt in 3 ODE steps: 8 x 3 / 4 = 6 more per trained image. Flash-GRPO
+# rolls out 6 steps and trains the one SDE step of each group (+ the KL's reference forward), in micro-batches of half
+# a group, so each group's window is drawn once and read by two micro-batches.
 PRESETS = {
     "mixgrpo_flash": ("recipes/configs/tiny/mixgrpo_flash_lora.yaml", ["grpo.ratio_norm=true"], 3 + 3 * 2),
     "flash_frozen": ("recipes/configs/tiny/mixgrpo_flash_frozen_lora.yaml", [], 1 + 2 + 3 * 1),
@@ -98,6 +100,8 @@ PRESETS = {
     "nft": ("recipes/configs/tiny/nft_lora.yaml", ["nft.kl_coef=1e-4"], 6 + 2 * (3 + 1 + 1)),
     "awm": ("recipes/configs/tiny/awm_lora.yaml", ["sampling.tail=dpm2", "sampling.compress_ratio=0.5"],
             3 + 2 * (3 + 1)),
+    "flashgrpo": ("recipes/configs/tiny/flashgrpo_lora.yaml", ["grpo.kl_coef=0.1", "batch.micro_batch_size=2"],
+                  6 + 1 * (3 + 1)),
     "grpo_candidates": ("recipes/configs/tiny/grpo_candidates_lora.yaml", [], 6 + 6 + 5 * 3),
     "nft_candidates": ("recipes/configs/tiny/nft_candidates_lora.yaml", [], 6 + 6 + 2 * (3 + 1)),
 }

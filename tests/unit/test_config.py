@@ -251,7 +251,7 @@ MIX = "sampling.window={placement: progressive, size: 2, shift_every: 4, stride:
     ([MIX, "grpo.timestep_fraction=0.6"], "grpo.timestep_fraction: 0.6 with sampling.window"),
     (["sampling.window={placement: progressive, size: 5, shift_every: 4, stride: 1}"], r"window.size: 5; use 1 \.\. "),
     (["sampling.window={placement: progressive, size: 2, stride: 1}"], "window.shift_every: required with placement"),
-    (["sampling.window={placement: random, size: 2, high: 3, stride: 1}"], "window.stride: only for the other"),
+    (["sampling.window={placement: random, size: 2, high: 3, stride: 1}"], "window.stride: not read by placement random"),
     (["sampling.window={placement: random, size: 2, high: 6}"], "window.high: 6; use size"),
     (["sampling.window={placement: sideways, size: 2}"], "sampling.window.placement"),
     (["sampling.tail=dpm2", "sampling.compress_ratio=0.5"], "dpm2 replaces the steps after an SDE window"),
