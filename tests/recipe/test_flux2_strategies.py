@@ -1,6 +1,6 @@
 """Every rollout strategy and AWM on the tiny FLUX.2 [klein] world (assets/tiny-flux2) under ZeRO-3: the tiny FLUX.1
 strategy presets (MixGRPO's windows, Flow-GRPO-Fast's CPS with random windows, GRPO-Guard's RatioNorm, BranchGRPO's
-trees, AWM) with the FLUX.2 overlay of recipes/configs/tiny_flux2/base.yaml on top. For each: the first-pass ratio is
+trees, Flash-GRPO's step per group, AWM) with the FLUX.2 overlay of recipes/configs/tiny_flux2/base.yaml on top. For each: the first-pass ratio is
 exactly 1 (grpo), 1 and 2 processes train the same, and a run resumed from step 1 ends where the uninterrupted one does.
 
 (grpo with DanceGRPO's SDE, the full fine-tune, DiffusionNFT and the exports: tests/recipe/test_flux2_runs.py.)
@@ -22,6 +22,7 @@ STRATEGIES = {
     "cps": ("flowgrpo_fast_lora", []),
     "guard": ("grpo_lora", ["sampling.sde=flow", "grpo.ratio_norm=true"]),
     "trees": ("branchgrpo_lora", []),
+    "flash": ("flashgrpo_lora", []),  # one SDE step per group, rescaled
     "awm": ("awm_lora", ["awm.lag_rate=0.3"]),  # a lagging anchor that really lags, so its resume is tested
 }
 
