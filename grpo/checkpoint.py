@@ -7,7 +7,8 @@ Layout under ``output_dir/checkpoints/``::
         [bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt  DeepSpeed, one per rank (fp32 master shard, Adam
                                                           moments, LR scheduler); LoRA: trainable weights only
         zero_to_fp32.py                                   DeepSpeed's recovery script
-        grpo_rank{r:05d}.safetensors                      ours: RNG states of rank r and its EMA shard
+        grpo_rank{r:05d}.safetensors                      ours: RNG states of rank r and its EMA shard; rank 0's
+                                                          also the replay buffer (grpo.replay, the same on every rank)
         meta.json                                         ours, written last: step, world size, resolved config,
                                                           size + sha256 of every file above
     latest                                      name of the newest complete checkpoint (DeepSpeed's convention,
@@ -439,9 +440,11 @@ class Checkpointer:
             dist.broadcast_object_list(found, src=0)
         return found[0]
 
-    def save(self, engine, state: RunState, ema=None, lagging=None, rng_state: RngState | None = None) -> Path:
+    def save(self, engine, state: RunState, ema=None, lagging=None, rng_state: RngState | None = None,
+             replay=None) -> Path:
         """Write the checkpoint of `state.step` completed steps atomically; returns its folder. `rng_state`: this
-        rank's RNG state to store (rng.rng_state; default: the current one).
+        rank's RNG state to store (rng.rng_state; default: the current one). `replay`: the replay buffer
+        (grpo.replay.ReplayBuffer), identical on every rank, so rank 0's file alone holds it.
 
         A full disk raises an OutsideFailure on every rank (one line, exit 1; see :func:`_disk_full`), the previous
         checkpoints untouched. It is caught before anything is written when the last checkpoint's size is not free
@@ -471,6 +474,8 @@ class Checkpointer:
                     avg_tensors, avg_meta = average.state()
                     tensors.update(avg_tensors)
                     meta.update(avg_meta)
+            if replay is not None and self.rank == 0:
+                tensors.update(replay.state())
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / rank_file(self.rank)),
                       metadata=meta)
         names = sorted(p.name for p in tmp.iterdir() if p.is_file())
@@ -542,8 +547,9 @@ class Checkpointer:
         for converted in [*self.root.glob(UNIVERSAL + "*"), *self.root.glob(".tmp" + UNIVERSAL + "*")]:
             shutil.rmtree(converted, ignore_errors=True)
 
-    def load(self, path: Path, engine, ema=None, lagging=None) -> RunState:
-        """Restore DeepSpeed's state, this rank's RNG, EMA and lagging-policy shards; returns the run counters.
+    def load(self, path: Path, engine, ema=None, lagging=None, replay=None) -> RunState:
+        """Restore DeepSpeed's state, this rank's RNG, EMA and lagging-policy shards, and the replay buffer from
+        rank 0's file (on any world size); returns the run counters.
 
         Written by another number of processes: DeepSpeed's universal checkpoint re-partitions the optimizer (the
         engine must come from :func:`engine_config`), the averages are re-cut by flat index (see the module doc)."""
@@ -581,6 +587,8 @@ class Checkpointer:
                 average.load(tensors)
             else:
                 average.load_resharded(files)
+        if replay is not None:
+            replay.load(tensors if self.rank == 0 else load_file(str(files[0])))
         return RunState(step=meta["step"], consecutive_skips=meta.get("consecutive_skips", 0),
                         total_skips=meta.get("total_skips", 0))
 

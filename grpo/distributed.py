@@ -68,7 +68,7 @@ def gather_by_index(values: Tensor, index: Tensor, total: int) -> Tensor:
             f"{tuple(index.shape)}"
         )
     out_device, out_dtype = values.device, values.dtype
-    rows = values.reshape(values.shape[0], -1)
+    rows = values if values.ndim == 2 else values.unsqueeze(1)  # [n, k], also for a rank with no rows (n = 0)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         rows, index = _all_gather_rows(rows, index.long())
     _check_exactly_once(index, total)

@@ -72,7 +72,7 @@ def grpo_loss(
     kl: Tensor | None = None,
     kl_coef: float = 0.0,
     ratio_norm: RatioNorm | None = None,
-    weight: float = 1.0,
+    weight: float | Tensor = 1.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Mean over B of max(-A·r, -A·clip(r, 1-eps, 1+eps)) + kl_coef·kl, with r = exp(log_prob - old_log_prob).
 
@@ -86,7 +86,8 @@ def grpo_loss(
         ratio_norm: GRPO-Guard (see :func:`ratio_norm_log_ratio`); None (default) leaves the loss as it was. When
             given, r is the normalised ratio exp(log ρ̂) (also in the stats and the clip fraction), the policy term
             is divided by d̄² (gradient reweighting) and approx_kl stays on the raw log-ratio, as in the source.
-        weight: a constant factor of the policy term (Flash-GRPO's timestep rescale); the KL term keeps its own.
+        weight: a constant factor of the policy term (Flash-GRPO's timestep rescale), or [B] constant factors per
+            sample (a replayed trajectory's importance weight, grpo/replay.py); the KL term keeps its own.
 
     Returns:
         loss: scalar float32 tensor with graph.
@@ -105,7 +106,9 @@ def grpo_loss(
     policy = torch.maximum(unclipped, clipped)
     if ratio_norm is not None:
         policy = policy * norm_weight
-    if weight != 1.0:
+    if isinstance(weight, Tensor):
+        policy = policy * weight.float().detach()
+    elif weight != 1.0:
         policy = policy * weight
     per_sample = policy
     if kl is not None:

@@ -33,6 +33,10 @@ class Chunk:
     reference: dict[int, torch.Tensor] = field(default_factory=dict)  # GRPO: reference SDE mean; nft/awm: v_ref
     lagging: dict[int, torch.Tensor] = field(default_factory=dict)  # nft/awm: the lagging policy's velocity
     noised: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # nft/awm: (x_t, eps)
+    # A replayed chunk (grpo/replay.py): [B] sequence-level importance weights of its policy loss, and the
+    # advantages its trajectories had at their rollout; an on-policy chunk: 1 and None (the step's advantages)
+    weight: torch.Tensor | float = 1.0
+    advantages: torch.Tensor | None = None
 
 
 @dataclass

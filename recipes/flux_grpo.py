@@ -12,7 +12,9 @@ One step (`step()`, which the training loop, the tools and the tests all run) re
     reference  grpo: the reference policy's SDE means (kl_coef > 0); nft/awm: the clean samples noised at sampled
                schedule points, with the lagging policy's and the reference's velocities there
     update     grpo: PPO-clip on the trained transitions; nft: the implicit positive/negative policies; awm:
-               advantage-weighted flow matching; accumulated, then an optimizer step
+               advantage-weighted flow matching; accumulated, then an optimizer step; grpo with replay: one more
+               block of past trajectories from the replay buffer, importance-weighted, after the on-policy ones
+    remember   grpo with replay: the step's best positive-advantage trajectories enter the replay buffer
     log/save   health line, metrics.jsonl, TensorBoard, reward curve, sample grids, held-out eval every N steps,
                a resumable checkpoint every N steps, and finally a LoRA or a full transformer export
 
@@ -28,6 +30,7 @@ Features and the settings that control them (see grpo/config.py for every key):
                                     (GRPO-Guard), sampling.branch (BranchGRPO's trees, grpo/tree.py)
     candidate selection ........... sampling.candidates.{pool, keep_top, keep_bottom, preview_steps} (Sol-RL,
                                     grpo/candidates.py), for every objective
+    trajectory replay ............. grpo.replay.{size, per_step, truncate, weight_cap} (OP-GRPO, grpo/replay.py)
     objective ..................... algorithm: grpo | nft | awm, its settings in the section of that name
                                     (grpo/objectives/: the recipe calls the objective, never asks which it is)
     advantages .................... advantage.{clip, std_scope, eps, per_reward}
@@ -81,7 +84,7 @@ from grpo import engine as eng
 from grpo import eval as evals
 from grpo import export, health
 from grpo import lock as out_lock
-from grpo import rng
+from grpo import replay, rng
 from grpo.candidates import Starts
 from grpo.config import RecipeConfig, dump_config, load_config, to_dict
 from grpo.data import POOL_NOISE, micro_batches, prompts_for_step, step_noise_generator
@@ -98,7 +101,7 @@ from grpo.profiling import PhaseClock, StepProfiler
 from grpo.prompts import ensure_cache, ensure_references, load_cache, read_prompt_set
 from grpo.objectives import Models
 from grpo.rewards import build_rewards, finite_check, mix
-from grpo.rollout import FluxSampler
+from grpo.rollout import FluxSampler, Trajectories
 from grpo.rollout_plan import RolloutPlan
 from grpo.step import Chunk, LossSums, StepResult, UpdateStats
 
@@ -153,6 +156,9 @@ class FluxGRPORecipe:
         # what is trained and its cost (grpo/rollout_plan.py), and the objective (grpo/objectives/)
         self.plan = RolloutPlan.of(cfg)
         self.objective = self.plan.objective
+        # OP-GRPO's replay buffer (grpo/replay.py), the same on every rank; None: no replay
+        r = cfg.grpo.replay if cfg.grpo is not None else None
+        self.buffer = replay.ReplayBuffer(r.size, r.truncate) if r is not None else None
         dev.seed_everything(cfg.seed + self.rank)
 
     # ------------------------------------------------------------------------------------------------ setup
@@ -213,7 +219,7 @@ class FluxGRPORecipe:
         self.checkpoints = ckpt.Checkpointer(cfg, self.rank, self.world)
         self.state = ckpt.RunState(step=0)
         if self.resume_from is not None:
-            self.state = self.checkpoints.load(self.resume_from, self.engine, self.ema, self.lagging)
+            self.state = self.checkpoints.load(self.resume_from, self.engine, self.ema, self.lagging, self.buffer)
             if self.rank == 0:
                 log.info("resumed from %s: continuing at step %d", self.resume_from, self.state.step)
         self.skips = health.SkipCounter(cfg.faults.max_consecutive_skips, self.state.consecutive_skips,
@@ -276,7 +282,8 @@ class FluxGRPORecipe:
         self.save_final()
 
     def step(self, step: int, phase=None) -> StepResult:
-        """One training step: rollout -> reward -> advantage -> reference -> update (-> EMA, lagging policy).
+        """One training step: rollout -> reward -> advantage -> reference -> update (-> EMA, lagging policy) ->
+        remember (the replay buffer).
 
         `phase(name)`, when given, returns a context held around the "rollout", "reward" and "train" parts (the
         tools' recording windows); the parts are timed either way.
@@ -296,15 +303,16 @@ class FluxGRPORecipe:
             else:  # a NaN reward would poison every advantage of the step: skip the update, keep the count
                 update = UpdateStats(skipped_updates=float(self.layout.updates_per_step),
                                      lr=self.scheduler.get_last_lr()[0])
-            if update.skipped_updates < self.layout.updates_per_step:
+            if update.skipped_updates < self.layout.updates_per_step + update.extra.get("replay/blocks", 0):
                 self._update_averages()
+            self.remember(step, chunks, advantages)
         timings = {"time/rollout_s": clock.seconds["rollout"], "time/reward_s": clock.seconds["reward"],
                    "time/update_s": clock.seconds["train"], "step_time_s": clock.total,
                    "samples_per_s": self.layout.samples_per_step / clock.total}
         if self.cfg.model.compile:  # compile time is part of the phases' times above; reported apart
             timings["time/compile_s"] = compile_seconds() - compiling
         # Transformer compute per image in forward-equivalents (a backward counts 2): what strategies trade.
-        cost = self.plan.forwards_per_image(step)
+        cost = self.plan.forwards_per_image(step) + update.extra.pop("replay/forwards_per_image", 0.0)
         return StepResult(chunks, rewards, advantages, {**starts.stats, **reward_stats, **adv_stats, **update.metrics(),
                                                         **timings, "forwards_per_image": float(cost)})
 
@@ -474,20 +482,14 @@ class FluxGRPORecipe:
     # ----------------------------------------------------------------------------------------------- update
     def update(self, step: int, chunks: list[Chunk], advantages: torch.Tensor) -> UpdateStats:
         """Accumulate the objective's loss over the trained points (transitions or noise levels) of each update
-        block, then step."""
-        per_update = self.layout.micro_batches_per_update
+        block, then step; with replay (grpo.replay), one more block of replayed trajectories after them."""
         sums = LossSums(points=self.cfg.sampling.num_steps)
         skipped_before = self.engine.skipped_steps
-        for n, c in enumerate(progress(chunks, f"update {step}", self.show_progress)):
-            adv = advantages[torch.tensor(c.ids, device=advantages.device)]
-            for j in c.trained:
-                loss, st = self.objective.loss(self.models, c, j, adv)
-                loss = health.inject("nan_loss", step, self.rank, loss)  # a no-op outside fault tests
-                loss = poison_nonfinite(loss)  # ZeRO-3 then skips the optimizer step (non-finite grad norm)
-                self.engine.backward(loss)
-                self.engine.step()
-                # the first update block is exactly on-policy
-                sums.add(loss, st, on_policy=n < per_update, point=j)
+        adv = [advantages[torch.tensor(c.ids, device=advantages.device)] for c in chunks]
+        self._accumulate(step, chunks, adv, sums, on_policy=self.layout.micro_batches_per_update)
+        # drawn and weighted with the weights the on-policy blocks left, so their first pass stays exactly on-policy
+        replayed, replay_stats = self.replayed(step)
+        replay_dev = self._accumulate(step, replayed, [c.advantages for c in replayed], sums, on_policy=0)
         stats = sums.reduce(self.device)
         skipped = self.engine.skipped_steps - skipped_before  # identical on all ranks (global grad norm)
         if stats.nonfinite_loss > 0 and skipped == 0:
@@ -498,7 +500,97 @@ class FluxGRPORecipe:
         stats.lr = self.scheduler.get_last_lr()[0]
         stats.skipped_updates = float(skipped)
         stats.nonfinite_grad = float(skipped if stats.nonfinite_loss == 0 else 0)
+        if replayed:  # every rank replays or none: the buffer is the same on each
+            dist.all_reduce(replay_dev, op=dist.ReduceOp.MAX)
+            # the replay block's ratio is to the no-grad pass just before it: exactly 1 on its (only) pass
+            replay_stats["replay/ratio_max_dev"] = replay_dev.item()
+        stats.extra.update(replay_stats)
         return stats
+
+    def _accumulate(self, step: int, chunks: list[Chunk], advantages: list[torch.Tensor], sums: LossSums,
+                    on_policy: int) -> torch.Tensor:
+        """Backward and (accumulating) optimizer step of every trained point of `chunks`, with each chunk's
+        advantages; the first `on_policy` chunks are the exactly on-policy block. Returns the max |ratio - 1|."""
+        worst = torch.zeros((), device=self.device)
+        for n, (c, adv) in enumerate(progress(list(zip(chunks, advantages)), f"update {step}", self.show_progress)):
+            for j in c.trained:
+                loss, st = self.objective.loss(self.models, c, j, adv)
+                loss = health.inject("nan_loss", step, self.rank, loss)  # a no-op outside fault tests
+                loss = poison_nonfinite(loss)  # ZeRO-3 then skips the optimizer step (non-finite grad norm)
+                self.engine.backward(loss)
+                self.engine.step()
+                if "ratio" in st:
+                    worst = torch.maximum(worst, (st["ratio"].float() - 1).abs().max().to(worst.device))
+                sums.add(loss, st, on_policy=n < on_policy, point=j)
+        return worst
+
+    @torch.no_grad()
+    def replayed(self, step: int) -> tuple[list[Chunk], dict[str, float]]:
+        """OP-GRPO's replay block (grpo.replay, grpo/replay.py): once the buffer holds an update block's samples,
+        that many entries drawn by a permutation keyed by (seed, step), split over the ranks and cut into
+        micro-batches as an on-policy block is; each micro-batch's log-probs of transitions 0 .. L-1 recomputed by
+        the current policy without gradients (the ratio's reference, and with the stored behaviour log-probs the
+        sequence-level importance weight), and K of them drawn to train. Empty without replay."""
+        if self.buffer is None:
+            return [], {}
+        cfg, lay, r = self.cfg, self.layout, self.cfg.grpo.replay
+        block = lay.samples_per_step // lay.updates_per_step
+        stats = {"replay/size": float(len(self.buffer)), "replay/blocks": 0.0}
+        if len(self.buffer) < block:
+            return [], stats
+        positions = replay.draw(cfg.seed, step, len(self.buffer), block)
+        n = lay.samples_per_rank_per_update
+        places = list(range(self.rank * n, (self.rank + 1) * n))  # this rank's places in the block
+        chunks, weights = [], []
+        with self.models.inference() as model:
+            for mb in micro_batches(places, lay.micro_batch_size):
+                b = self.buffer.take([positions[p] for p in mb])
+                latents = b.latents.to(self.device)
+                cond = self.sampler.conditioning(self.train_prompts, b.prompt_idx)
+                now = torch.stack([self.sampler.transition(model, cond, latents, j).log_prob
+                                   for j in range(r.truncate)], dim=1)
+                w = replay.sequence_weight(now, b.log_probs.to(self.device), r.truncate, r.weight_cap)
+                trained = replay.replay_transitions(r.truncate, lay.trained_transitions, cfg.seed, step, mb[0])
+                # no image is decoded from a replayed trajectory: x0 stays a placeholder
+                traj = Trajectories(latents, now, x0=latents[:, -1])
+                chunks.append(Chunk(mb, b.prompt_idx, cond, traj, trained, weight=w,
+                                    advantages=b.advantages.to(self.device)))
+                weights.append(w)
+        self.objective.fixed_targets(self.models, chunks, step)  # kl_coef > 0: the reference at the trained points
+        w = gather_by_index(torch.cat(weights), torch.tensor(places, device=self.device), block)
+        born = torch.tensor(self.buffer.born(positions), dtype=torch.float32)
+        per_point = self.objective.forwards_per_point()
+        stats.update({"replay/blocks": 1.0, "replay/weight_mean": w.mean().item(), "replay/weight_max": w.max().item(),
+                      "replay/weight_min": w.min().item(), "replay/age_mean": (step - born).mean().item(),
+                      "replay/forwards_per_image": replay.forwards_per_image(
+                          r.truncate, lay.trained_transitions, per_point, block, lay.samples_per_step)})
+        return chunks, stats
+
+    def remember(self, step: int, chunks: list[Chunk], advantages: torch.Tensor) -> None:
+        """Collective with replay (grpo.replay): the step's at most per_step samples of highest positive advantage
+        enter the buffer on every rank, their latents and log-probs gathered from the ranks that rolled them out."""
+        if self.buffer is None:
+            return
+        cfg, r, g = self.cfg, self.cfg.grpo.replay, self.cfg.sampling.group_size
+        chosen = replay.select(advantages, r.per_step)  # the same on every rank: the advantages are gathered
+        if not chosen:
+            return
+        place = {s: i for i, s in enumerate(chosen)}
+        latent_shape = chunks[0].traj.latents.shape[2:]
+        rows, where = [], []
+        for c in chunks:
+            for row, s in enumerate(c.ids):
+                if s in place:
+                    rows.append(torch.cat([c.traj.latents[row, :r.truncate + 1].flatten(),
+                                           c.traj.log_probs[row, :r.truncate]]).float())
+                    where.append(place[s])
+        width = (r.truncate + 1) * latent_shape.numel() + r.truncate
+        local = torch.stack(rows) if rows else torch.zeros(0, width, device=self.device)
+        table = gather_by_index(local, torch.tensor(where, dtype=torch.long, device=self.device), len(chosen))
+        prompt_of_slot = prompts_for_step(len(self.train_prompts), cfg.batch.prompts_per_step, cfg.seed, step)
+        self.buffer.add(table[:, :-r.truncate].reshape(len(chosen), r.truncate + 1, *latent_shape),
+                        table[:, -r.truncate:], advantages[torch.tensor(chosen, device=advantages.device)],
+                        [prompt_of_slot[s // g] for s in chosen], born=step)
 
     # --------------------------------------------------------------------------------------------- evaluate
     @torch.no_grad()
@@ -536,7 +628,7 @@ class FluxGRPORecipe:
     def save_checkpoint(self, steps_done: int) -> None:
         """Collective: a resumable checkpoint (grpo/checkpoint.py) after `steps_done` completed steps."""
         state = ckpt.RunState(steps_done, self.skips.consecutive, self.skips.total)
-        path = self.checkpoints.save(self.engine, state, self.ema, self.lagging)
+        path = self.checkpoints.save(self.engine, state, self.ema, self.lagging, replay=self.buffer)
         if self.rank == 0:
             log.info("checkpoint %s", path)
 

@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from grpo.errors import ConfigError
+from grpo import replay
 from grpo.loss import RatioNorm, grpo_loss
 from grpo.objectives.base import Models, Objective
+from grpo.replay import ReplaySettings
 from grpo.schema import setting
 from grpo.sde import kl_same_std, log_prob_gain
 from grpo.windows import trainable_range
@@ -39,6 +41,10 @@ class GRPOSettings:
     timestep_rescale: bool = setting(False, help="Flash-GRPO's temporal gradient rectification: transition j's policy "
                                                  "loss times c_j / mean c over the trainable transitions, c_j = 1 / the "
                                                  "log-prob's gain in v at j, so every timestep pulls alike")
+    replay: ReplaySettings | None = setting(None, help="OP-GRPO's trajectory replay (grpo/replay.py): each step's best "
+                                                       "positive-advantage trajectories kept in a buffer and trained "
+                                                       "again in one extra update block, weighted by their sequence-"
+                                                       "level importance ratio, early transitions only; null = off")
 
 
 def trained_transitions(num_steps: int, timestep_fraction: float) -> int:
@@ -87,6 +93,7 @@ class GRPO(Objective):
         if g.ratio_norm and s.branch is not None:
             raise ConfigError("sampling.branch: needs Gaussian SDE steps without grpo.ratio_norm; set ratio_norm: "
                               "false or branch: null")
+        replay.check(cfg)
 
     def points(self, num_steps: int) -> int:
         return num_steps - 1
@@ -110,9 +117,11 @@ class GRPO(Objective):
         kl = kl_same_std(out.mean, c.reference[j], out.std) if g.kl_coef > 0 else None
         tree = sampler.tree
         if tree is None:
+            # c.weight: a replayed trajectory's sequence-level importance weight (grpo/replay.py), else 1
+            rescale = self._timestep_weights(sampler)[j] if g.timestep_rescale else 1.0
             return grpo_loss(out.log_prob, c.traj.log_probs[:, j], adv, clip_range=g.clip_range, kl=kl,
                              kl_coef=g.kl_coef, ratio_norm=self._ratio_norm(sampler, out, c, j),
-                             weight=self._timestep_weights(sampler)[j] if g.timestep_rescale else 1.0)
+                             weight=c.weight * rescale)
         # One row per edge into depth j + 1, with that node's advantage; summed over the edges and divided by the
         # samples, so every edge of the tree weighs the same (the source's loss / (GA * edges per tree)).
         edges = tree.heads(len(c.ids), j + 1).to(adv.device)
