@@ -157,7 +157,8 @@ class FluxGRPORecipe:
         self.plan = RolloutPlan.of(cfg)
         self.objective = self.plan.objective
         # OP-GRPO's replay buffer (grpo/replay.py), the same on every rank; None: no replay
-        r = cfg.grpo.replay if cfg.grpo is not None else None
+        self.replay_settings = self.objective.replay
+        r = self.replay_settings
         self.buffer = replay.ReplayBuffer(r.size, r.truncate) if r is not None else None
         dev.seed_everything(cfg.seed + self.rank)
 
@@ -533,7 +534,7 @@ class FluxGRPORecipe:
         sequence-level importance weight), and K of them drawn to train. Empty without replay."""
         if self.buffer is None:
             return [], {}
-        cfg, lay, r = self.cfg, self.layout, self.cfg.grpo.replay
+        cfg, lay, r = self.cfg, self.layout, self.replay_settings
         block = lay.samples_per_step // lay.updates_per_step
         stats = {"replay/size": float(len(self.buffer)), "replay/blocks": 0.0}
         if len(self.buffer) < block:
@@ -571,7 +572,7 @@ class FluxGRPORecipe:
         enter the buffer on every rank, their latents and log-probs gathered from the ranks that rolled them out."""
         if self.buffer is None:
             return
-        cfg, r, g = self.cfg, self.cfg.grpo.replay, self.cfg.sampling.group_size
+        cfg, r, g = self.cfg, self.replay_settings, self.cfg.sampling.group_size
         chosen = replay.select(advantages, r.per_step)  # the same on every rank: the advantages are gathered
         if not chosen:
             return

@@ -69,6 +69,7 @@ class Objective:
     uses_lagging: ClassVar[bool] = False  # keeps a lagging copy of the policy (grpo.ema.ShardedEMA)
     keep_means: bool = False  # the rollout records each step's SDE mean
     ratio_clip: float | None = None  # the PPO clip whose first-pass ratio the health line watches
+    replay: Any = None  # grpo.replay.ReplaySettings: OP-GRPO's trajectory replay (grpo only); None = off
 
     def points(self, num_steps: int) -> int:
         """The trainable points of a trajectory: transitions, or schedule points."""

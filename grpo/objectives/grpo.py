@@ -65,6 +65,7 @@ class GRPO(Objective):
         super().__init__(cfg)
         self.keep_means = self.settings.ratio_norm
         self.ratio_clip = self.settings.clip_range
+        self.replay = self.settings.replay
 
     @classmethod
     def check(cls, cfg: RecipeConfig) -> None:

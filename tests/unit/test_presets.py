@@ -53,6 +53,7 @@ def renamed(old: dict, preset: str) -> dict:
         assert matching is None
         new["grpo"] = {k: grpo[k] for k in ("clip_range", "timestep_fraction", "kl_coef", "ratio_norm")}
         new["grpo"]["timestep_rescale"] = False  # new with Flash-GRPO (issue 32): off
+        new["grpo"]["replay"] = None  # new with OP-GRPO's replay (issue 32): off
     else:
         new[old["algorithm"]] = {k: matching[k] for k in (*forward, *own)}
     if old["algorithm"] == "awm":  # finding 2: AWM's own draw of the noise levels (it was uniform)
