@@ -63,8 +63,9 @@ class ReplaySettings:
                                                   "uncapped")
 
 
-def check(cfg: RecipeConfig) -> None:
-    """One-line refusals of replay settings that make no sense with the rest of the preset."""
+def check(cfg: RecipeConfig, k: int) -> None:
+    """One-line refusals of replay settings that make no sense with the rest of the preset; `k`: the transitions
+    trained per trajectory."""
     r, s, b = cfg.grpo.replay, cfg.sampling, cfg.batch
     if r is None:
         return
@@ -82,9 +83,6 @@ def check(cfg: RecipeConfig) -> None:
     if r.size < block:
         raise ConfigError(f"grpo.replay.size: {r.size} is less than one update block's {block} samples (prompts_per_"
                           f"step * group_size / updates_per_step), the replay block's size; use at least {block}")
-    from grpo.objectives.grpo import trained_transitions  # the objective imports this module
-
-    k = trained_transitions(s.num_steps, cfg.grpo.timestep_fraction)
     if not k <= r.truncate <= s.num_steps - 1:
         raise ConfigError(f"grpo.replay.truncate: {r.truncate}; use {k} (the K transitions trained per trajectory) "
                           f".. {s.num_steps - 1} (the trainable ones), or lower grpo.timestep_fraction")

@@ -94,7 +94,7 @@ class GRPO(Objective):
         if g.ratio_norm and s.branch is not None:
             raise ConfigError("sampling.branch: needs Gaussian SDE steps without grpo.ratio_norm; set ratio_norm: "
                               "false or branch: null")
-        replay.check(cfg)
+        replay.check(cfg, trained_transitions(s.num_steps, g.timestep_fraction))
 
     def points(self, num_steps: int) -> int:
         return num_steps - 1
