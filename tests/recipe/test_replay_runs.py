@@ -22,10 +22,11 @@ from tests.recipe.test_candidates_runs import _run
 
 OPGRPO = "recipes/configs/tiny/opgrpo_lora.yaml"
 # SMALL's 8 images and 4 steps (K = 1 of 3 trainable transitions): update blocks of 2, a buffer of 4, 2 entries a
-# step, transitions 0 and 1 weighted and replayed; no held-out eval (not what is tested, and it costs the run ~15 s)
+# step, transitions 0 and 1 weighted and replayed; a KL to the base model, so replayed chunks get their reference
+# means too; no held-out eval (not what is tested, and it costs the run ~15 s)
 EXTRA = ["batch.micro_batch_size=1", "batch.updates_per_step=4", "grpo.replay.size=4", "grpo.replay.per_step=2",
-         "grpo.replay.truncate=2", "data.eval_prompts=null", "max_steps=2", "checkpoint.every=1", "checkpoint.keep=2",
-         "optim.lr=1e-2"]
+         "grpo.replay.truncate=2", "grpo.kl_coef=0.1", "data.eval_prompts=null", "max_steps=2", "checkpoint.every=1",
+         "checkpoint.keep=2", "optim.lr=1e-2"]
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +50,15 @@ def test_the_replay_block_runs_after_the_on_policy_one_at_first_pass_ratio_one(t
     first, second = two["rows"]
     assert first["ratio_max_dev"] == second["ratio_max_dev"] == 0.0
     assert (first["replay/size"], first["replay/blocks"]) == (0.0, 0.0)  # nothing to replay at step 0
-    assert "replay/weight_mean" not in first and first["forwards_per_image"] == 4 + 1 * 3
+    # 4 rollout steps, 1 trained transition: a forward, a backward and the reference's forward
+    assert "replay/weight_mean" not in first and first["forwards_per_image"] == 4 + 1 * 4
     assert (second["replay/size"], second["replay/blocks"], second["replay/age_mean"]) == (2.0, 1.0, 1.0)
     assert second["replay/ratio_max_dev"] == 0.0
     # the policy moved over step 0's 4 optimizer steps and step 1's on-policy ones: the weight is not 1
     assert 0 < second["replay/weight_min"] <= second["replay/weight_mean"] <= second["replay/weight_max"] <= 2.0
     assert second["replay/weight_min"] != 1.0
     # a block of 2 of the step's 8 images: 2 no-grad forwards of the weight + 1 trained transition each
-    assert second["forwards_per_image"] == 4 + 1 * 3 + 2 * (2 + 1 * 3) / 8
+    assert second["forwards_per_image"] == 4 + 1 * 4 + 2 * (2 + 1 * 4) / 8
     buffer = load_file(str(two["dir"] / "checkpoints" / "step_00000001" / rank_file(0)))
     assert buffer["replay/latents"].shape[:2] == (2, 3) and buffer["replay/log_probs"].shape == (2, 2)
     assert "replay/latents" not in load_file(str(two["dir"] / "checkpoints" / "step_00000001" / rank_file(1)))
