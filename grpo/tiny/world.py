@@ -170,12 +170,13 @@ def all_edits() -> list[tuple[str, str, str]]:
             for source in all_prompts() for kind in EDIT_KINDS]
 
 
-def edit_rows(per_split: tuple[int, int] = (24, 8)) -> tuple[list[dict], list[dict]]:
+def edit_rows() -> tuple[list[dict], list[dict]]:
     """(train, held-out) edits of the world for image-conditioned models (FLUX.1-Kontext): each row's source scene is
     edited in one part (EDIT_KINDS, in turn), and its prompt is the edited scene's world prompt, the instruction in
     the only words the tiny text encoders know. A row carries the target scene (color, shape, background: what
     tiny_world_meta scores), the edit's kind, the source prompt and its image's file name under EDIT_DIR. An edit is
-    held out when its target prompt is (split_prompts), so held-out targets are scenes training never asks for."""
+    held out when its target prompt is (split_prompts), so held-out targets are scenes training never asks for: one
+    edit of every scene, 73 to train on and 17 held out."""
     train_targets, heldout_targets = map(set, split_prompts())
     rows: tuple[list[dict], list[dict]] = ([], [])
     for i, source in enumerate(all_prompts()):
@@ -183,9 +184,7 @@ def edit_rows(per_split: tuple[int, int] = (24, 8)) -> tuple[list[dict], list[di
         target = TEMPLATE.format(**dict(zip(SCENE_FIELDS, _edited(parse(source), kind))))
         split = 0 if target in train_targets else 1
         assert target in train_targets or target in heldout_targets
-        if len(rows[split]) < per_split[split]:
-            name = f"{len(rows[0]) + len(rows[1]):03d}.png"
-            rows[split].append({**record(target), "image": f"{EDIT_DIR}/{name}", "edit": kind, "source": source})
+        rows[split].append({**record(target), "image": f"{EDIT_DIR}/{i:03d}.png", "edit": kind, "source": source})
     return rows
 
 

@@ -3,12 +3,13 @@ conditioned on its row's source image, in the rollout, the update's recomputatio
 
 The default tier has one short run (grpo + LoRA, 1 step, 2 processes): the first-pass ratio is exactly 1 with the
 reference tokens in every call, and the exported LoRA loads into diffusers' FluxKontextPipeline and changes its
-edit. The slow tier (-m slow) has four more (8 images a step, 4 steps a trajectory):
+edit. The slow tier (-m slow) has five more (8 images a step, 4 steps a trajectory):
 
     two     grpo + LoRA, 2 steps, 2 processes, a checkpoint every step
     one     the same on 1 process
     resumed 2 processes from two's step-1 checkpoint to step 2
     nft     DiffusionNFT + LoRA (the lagging policy samples with the source images too), 2 steps, 2 processes
+    awm     AWM + LoRA (the editing default run's objective; its EMA anchor sees the source images too), the same
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tests.recipe.launch import (SMALL, assert_resumed_step_exact, assert_two_st
                                  two_one_resumed)
 
 pytestmark = pytest.mark.skipif(not (TINY_KONTEXT / "model_index.json").exists(), reason="tiny Kontext not built")
-GRPO, NFT = (f"recipes/configs/tiny_kontext/{n}.yaml" for n in ("grpo_lora", "nft_lora"))
+GRPO, NFT, AWM = (f"recipes/configs/tiny_kontext/{n}.yaml" for n in ("grpo_lora", "nft_lora", "awm_lora"))
 
 
 def _run(tmp, name: str, config: str, nproc: int, extra: list[str]) -> dict:
@@ -52,7 +53,7 @@ def test_kontext_trains_on_two_processes_and_its_lora_edits_in_diffusers(tmp_pat
 
     run = _run(tmp_path, "short", GRPO, 2, ["max_steps=1", "checkpoint.every=1", "optim.lr=1e-2"])
     assert [r["ratio_max_dev"] for r in run["rows"]] == [0.0]
-    assert "encoding 24 source images of" in run["log"]
+    assert "encoding 73 source images of" in run["log"]
     pipe = FluxKontextPipeline.from_pretrained(str(TINY_KONTEXT), dtype=torch.float32)
     base = _edits(pipe)
     pipe.load_lora_weights(str(run["dir"] / "final" / "lora"))
@@ -71,7 +72,7 @@ def test_kontext_trains_on_two_processes_and_its_lora_edits_in_diffusers(tmp_pat
     result = evaluate_checkpoint(cfg, None)
     assert result["checkpoint"]["step"] == 1 and set(result["base"]["components"]) == {"tiny_world", "tiny_edit"}
     grid = np.asarray(Image.open(f"{result['dir']}/grid.png").convert("RGB"))
-    assert grid.shape == (8 * 66 + 2, 3 * 66 + 2, 3)  # torchvision's grid: 64 px cells, 2 px padding
+    assert grid.shape == (17 * 66 + 2, 3 * 66 + 2, 3)  # torchvision's grid: 64 px cells, 2 px padding
     first = read_image(row_images(read_prompt_set(EDITS_HELDOUT).metadata[0])[0])
     assert np.array_equal(grid[2:66, 2:66], (first.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
 
@@ -81,7 +82,8 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("kontext")
     grpo = ["max_steps=2", "checkpoint.every=1", "checkpoint.keep=2", "optim.lr=1e-2"]
     return {**two_one_resumed(functools.partial(_run, tmp), GRPO, grpo),
-            "nft": _run(tmp, "nft", NFT, 2, ["max_steps=2", "checkpoint.every=0"])}
+            **{name: _run(tmp, name, preset, 2, ["max_steps=2", "checkpoint.every=0"])
+               for name, preset in (("nft", NFT), ("awm", AWM))}}
 
 
 @pytest.mark.slow
@@ -101,11 +103,12 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(runs):
 
 
 @pytest.mark.slow
-def test_nft_trains_kontext_with_its_lagging_policy(runs):
-    rows = runs["nft"]["rows"]
+@pytest.mark.parametrize("objective", ["nft", "awm"])
+def test_the_forward_process_objectives_train_kontext_with_their_lagging_policy(runs, objective):
+    rows = runs[objective]["rows"]
     assert len(rows) == 2
     assert all(math.isfinite(r[k]) for r in rows for k in ("loss", "reward_mean", "grad_norm"))
-    assert (runs["nft"]["dir"] / "final" / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    assert (runs[objective]["dir"] / "final" / "lora" / "pytorch_lora_weights.safetensors").is_file()
 
 
 @pytest.mark.slow
@@ -115,4 +118,4 @@ def test_flux2_klein_trains_on_reference_images(tmp_path):
     run = _run(tmp_path, "klein", "recipes/configs/tiny_flux2/grpo_lora.yaml", 2,
                ["max_steps=1", "checkpoint.every=0", f"data.train_prompts={EDITS}"])
     assert [r["ratio_max_dev"] for r in run["rows"]] == [0.0]
-    assert "encoding 24 source images of" in run["log"]
+    assert "encoding 73 source images of" in run["log"]

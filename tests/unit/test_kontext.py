@@ -235,7 +235,7 @@ def test_the_edit_set_is_the_worlds_own():
         assert (EDITS.parent / name).read_bytes() == data, f"{name}: regenerate with python -m tools.tiny_prompts"
     assert sum(len(d) for d in files.values()) < 200_000
     train, heldout = read_prompt_set(EDITS), read_prompt_set(EDITS_HELDOUT)
-    assert (len(train), len(heldout)) == (24, 8)
+    assert (len(train), len(heldout)) == (73, 17)
     assert not set(train.prompts) & set(heldout.prompts)
     for rows in (train, heldout):
         for prompt, meta in zip(rows.prompts, rows.metadata):
@@ -292,7 +292,7 @@ def test_the_held_out_eval_samples_each_edit_from_its_source_image(tmp_path):
     cfg = load_config(PRESET, [f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'run'}",
                                "logging.eval_seeds=1"])
     got = evaluate_checkpoint(cfg, None, out_dir=tmp_path / "eval")
-    assert got["images"]["base"].shape == (8, 3, 64, 64) and len(list((tmp_path / "cache").glob("*-ref-*"))) == 1
+    assert got["images"]["base"].shape == (17, 3, 64, 64) and len(list((tmp_path / "cache").glob("*-ref-*"))) == 1
     rows = read_prompt_set(EDITS_HELDOUT)
     parts = FLUX1_KONTEXT.load_parts(str(TINY_KONTEXT))
     sampler = FluxSampler.from_parts(parts, parts.vae, cfg.sampling, cfg.seed, torch.device("cpu"), torch.float32)
