@@ -3,8 +3,13 @@ outside failure that only some ranks met; leave the process group when every ran
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import logging
+import os
+import sys
 from collections.abc import Iterator
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -128,3 +133,17 @@ def leave() -> None:
     collective on the group, and tearing it down under them can hang (torchtitan#1342)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def end_process(code: int) -> NoReturn:
+    """End a rank's process with `code` once `leave` has run, without the C++ part of the interpreter's shutdown.
+
+    Destroying the group is not always enough: a 1-step nft run that had saved everything still died with SIGABRT
+    ("terminate called without an active exception") on a loaded 2-core host (2026-12-04), turning exit 0 into the
+    launcher's lost-rank 75. The abort comes from the static destructors that exit() runs, so the process runs its
+    atexit handlers (the output_dir lock's release) and flushes its streams itself, then leaves by os._exit."""
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -70,7 +70,6 @@ import contextlib
 import dataclasses
 import logging
 import signal
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -88,7 +87,7 @@ from grpo import replay, rng
 from grpo.candidates import Starts
 from grpo.config import RecipeConfig, dump_config, load_config, to_dict
 from grpo.data import POOL_NOISE, micro_batches, prompts_for_step, step_noise_generator
-from grpo.distributed import agreed_outside_failure, gather_by_index, leave
+from grpo.distributed import agreed_outside_failure, end_process, gather_by_index, leave
 from grpo.ema import ShardedEMA
 from grpo.errors import (ConfigError, DependencyDown, OutsideFailure, outside_exit, peer_lost_exit, rank_exit,
                          writes_under)
@@ -696,4 +695,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_process(main())
