@@ -508,6 +508,11 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
                    "params in flight": in_flight},
         "optimizer step": ({"fp32 gradient copy": opt_step} if opt_step and not zero["offload_optimizer"] else {}),
     }
+    replay = objective.replay
+    if replay is not None:  # OP-GRPO's buffer (grpo/replay.py): float32 latents x_0 .. x_L and L log-probs an entry
+        entry = (replay.truncate + 1) * latent_bytes + replay.truncate * 4
+        host["replay buffer (every rank)"] = replay.size * entry
+        phases["update"]["replay batch"] = layout.samples_per_rank_per_update * entry
     if terms.reference_phase:
         lora_gather = cfg.lora is not None and cfg.deepspeed.gather_for_rollout
         phases["reference"] = {"rollout batch": trajectories, "reference activations": rollout_peak,
@@ -545,7 +550,7 @@ def report(p: Plan, memory: int, headroom: float) -> list[str]:
         lines += [f"  {k:<28}{_gb(v)}" for k, v in items.items()]
         lines.append(f"  {'= ' + phase + ' total':<28}{_gb(p.phase_total(phase))}")
     if p.host:
-        lines.append("host memory per process (offloaded):")
+        lines.append("host memory per process (offloaded, and the replay buffer):")
         lines += [f"  {k:<28}{_gb(v)}" for k, v in p.host.items()]
     lines += [f"note: {n}" for n in p.notes]
     budget = memory * (1 - headroom)
