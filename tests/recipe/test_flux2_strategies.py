@@ -1,6 +1,6 @@
 """Every rollout strategy and AWM on the tiny FLUX.2 [klein] world (assets/tiny-flux2) under ZeRO-3: the tiny FLUX.1
 strategy presets (MixGRPO's windows, Flow-GRPO-Fast's CPS with random windows, GRPO-Guard's RatioNorm, BranchGRPO's
-trees, Flash-GRPO's step per group, AWM) with the FLUX.2 overlay of recipes/configs/tiny_flux2/base.yaml on top. For each: the first-pass ratio is
+trees, Flash-GRPO's step per group, OP-GRPO's replay, AWM) with the FLUX.2 overlay of recipes/configs/tiny_flux2/base.yaml on top. For each: the first-pass ratio is
 exactly 1 (grpo), 1 and 2 processes train the same, and a run resumed from step 1 ends where the uninterrupted one does.
 
 (grpo with DanceGRPO's SDE, the full fine-tune, DiffusionNFT and the exports: tests/recipe/test_flux2_runs.py.)
@@ -24,6 +24,10 @@ STRATEGIES = {
     "trees": ("branchgrpo_lora", []),
     "flash": ("flashgrpo_lora", []),  # one SDE step per group, rescaled
     "awm": ("awm_lora", ["awm.lag_rate=0.3"]),  # a lagging anchor that really lags, so its resume is tested
+    # OP-GRPO's replay: blocks of 2 of the 8 images, so step 1 replays 2 of step 0's entries (and the resume from
+    # step 1 restores a non-empty buffer)
+    "replay": ("opgrpo_lora", ["batch.micro_batch_size=1", "batch.updates_per_step=4", "grpo.replay.size=4",
+                               "grpo.replay.per_step=2", "grpo.replay.truncate=2"]),
 }
 
 
@@ -59,6 +63,10 @@ def test_the_first_pass_ratio_is_exactly_one(runs):
     if runs["strategy"] == "awm":
         pytest.skip("AWM has no likelihood ratio")
     assert [r["ratio_max_dev"] for r in runs["two"]["rows"]] == [0.0, 0.0]
+    if runs["strategy"] == "replay":  # step 1 replayed step 0's entries, its own first pass exactly on-policy too
+        assert [(r["replay/blocks"], r.get("replay/ratio_max_dev")) for r in runs["two"]["rows"]] == [(0, None),
+                                                                                                      (1, 0.0)]
+        assert runs["resumed"]["rows"][0]["replay/blocks"] == 1.0
 
 
 def test_one_and_two_processes_train_the_same(runs):
