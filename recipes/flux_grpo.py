@@ -487,10 +487,18 @@ class FluxGRPORecipe:
         skipped_before = self.engine.skipped_steps
         adv = [advantages[torch.tensor(c.ids, device=advantages.device)] for c in chunks]
         self._accumulate(step, chunks, adv, sums, on_policy=self.layout.micro_batches_per_update)
-        # drawn and weighted with the weights the on-policy blocks left, so their first pass stays exactly on-policy
+        # drawn and weighted with the weights the on-policy blocks left, so their first pass stays exactly on-policy;
+        # summed apart, so that loss, ratio and clip statistics stay the on-policy blocks' own
         replayed, replay_stats = self.replayed(step)
-        replay_dev = self._accumulate(step, replayed, [c.advantages for c in replayed], sums, on_policy=0)
+        replay_sums = LossSums(points=self.cfg.sampling.num_steps)
+        self._accumulate(step, replayed, [c.advantages for c in replayed], replay_sums, on_policy=len(replayed))
         stats = sums.reduce(self.device)
+        if replayed:  # every rank replays or none: the buffer is the same on each
+            # the replay block's ratio is to the no-grad pass just before it: exactly 1 on its (only) pass
+            r = replay_sums.reduce(self.device)
+            stats.nonfinite_loss += r.nonfinite_loss
+            replay_stats.update({f"replay/{k}": v for k, v in r.metrics().items()
+                                 if k not in ("nonfinite/loss", "skipped_updates") and not k.startswith("ratio_dev/")})
         skipped = self.engine.skipped_steps - skipped_before  # identical on all ranks (global grad norm)
         if stats.nonfinite_loss > 0 and skipped == 0:
             raise RuntimeError("a non-finite loss reached the optimizer and DeepSpeed did not skip the step; "
@@ -500,18 +508,13 @@ class FluxGRPORecipe:
         stats.lr = self.scheduler.get_last_lr()[0]
         stats.skipped_updates = float(skipped)
         stats.nonfinite_grad = float(skipped if stats.nonfinite_loss == 0 else 0)
-        if replayed:  # every rank replays or none: the buffer is the same on each
-            dist.all_reduce(replay_dev, op=dist.ReduceOp.MAX)
-            # the replay block's ratio is to the no-grad pass just before it: exactly 1 on its (only) pass
-            replay_stats["replay/ratio_max_dev"] = replay_dev.item()
         stats.extra.update(replay_stats)
         return stats
 
     def _accumulate(self, step: int, chunks: list[Chunk], advantages: list[torch.Tensor], sums: LossSums,
-                    on_policy: int) -> torch.Tensor:
+                    on_policy: int) -> None:
         """Backward and (accumulating) optimizer step of every trained point of `chunks`, with each chunk's
-        advantages; the first `on_policy` chunks are the exactly on-policy block. Returns the max |ratio - 1|."""
-        worst = torch.zeros((), device=self.device)
+        advantages, into `sums`; the first `on_policy` chunks are an exactly on-policy block."""
         for n, (c, adv) in enumerate(progress(list(zip(chunks, advantages)), f"update {step}", self.show_progress)):
             for j in c.trained:
                 loss, st = self.objective.loss(self.models, c, j, adv)
@@ -519,10 +522,7 @@ class FluxGRPORecipe:
                 loss = poison_nonfinite(loss)  # ZeRO-3 then skips the optimizer step (non-finite grad norm)
                 self.engine.backward(loss)
                 self.engine.step()
-                if "ratio" in st:
-                    worst = torch.maximum(worst, (st["ratio"].float() - 1).abs().max().to(worst.device))
                 sums.add(loss, st, on_policy=n < on_policy, point=j)
-        return worst
 
     @torch.no_grad()
     def replayed(self, step: int) -> tuple[list[Chunk], dict[str, float]]:

@@ -54,6 +54,10 @@ def test_the_replay_block_runs_after_the_on_policy_one_at_first_pass_ratio_one(t
     assert "replay/weight_mean" not in first and first["forwards_per_image"] == 4 + 1 * 4
     assert (second["replay/size"], second["replay/blocks"], second["replay/age_mean"]) == (2.0, 1.0, 1.0)
     assert second["replay/ratio_max_dev"] == 0.0
+    # the replay block's loss terms are logged apart from the on-policy blocks' (loss, kl, clip_frac, ratio_mean)
+    assert {"replay/loss", "replay/kl", "replay/clip_frac", "replay/ratio_mean"} <= set(second)
+    assert second["replay/ratio_mean"] == pytest.approx(1.0, abs=1e-6) and second["replay/clip_frac"] == 0.0
+    assert not any(k.startswith("replay/") for k in first if k not in ("replay/size", "replay/blocks"))
     # the policy moved over step 0's 4 optimizer steps and step 1's on-policy ones: the weight is not 1
     assert 0 < second["replay/weight_min"] <= second["replay/weight_mean"] <= second["replay/weight_max"] <= 2.0
     assert second["replay/weight_min"] != 1.0
