@@ -154,6 +154,15 @@ def compute_to_reach(points: list[tuple[float, float]], gain: float) -> float | 
     return None
 
 
+def speedup(base: list[tuple[float, float]], other: list[tuple[float, float]]) -> tuple[float, float | None, float]:
+    """(the baseline's final gain, the compute `other` needs to reach it or None, the speed-up: the compute the
+    baseline first reached it at over that; 0 when either never does)."""
+    gain = base[-1][1] - base[0][1]
+    need_base = compute_to_reach(base, gain) if gain > 0 else None
+    need = compute_to_reach(other, gain) if need_base is not None else None
+    return gain, need, need_base / need if need else 0.0
+
+
 def mean_curve(curves: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
     """The point-by-point mean of one strategy's curves over seeds (the same steps, so the same compute points)."""
     return [(pts[0][0], sum(r for _, r in pts) / len(pts)) for pts in zip(*curves)]
@@ -204,7 +213,7 @@ def main() -> None:
     names = ["dancegrpo"] + [n for n in args.only if n != "dancegrpo"]
     cfgs = {n: strategy_config(n, extra) for n in names}
     budget = sum(step_cost(cfgs["dancegrpo"], k) for k in range(budget_steps))
-    curves = {}
+    curves, seed_curves = {}, {}
     print(f"budget: {budget:.0f} forward-equivalents per image ({budget_steps} DanceGRPO steps), "
           f"training seeds {args.seeds}")
     for n in names:
@@ -216,7 +225,7 @@ def main() -> None:
             rows = run(n, [*extra, f"seed={seed}"], steps, max(1, math.ceil(steps / args.evals)), run_dir, args.reuse)
             per_seed.append(curve(rows, cfgs[n]))
             wall += sum(r.get("step_time_s", 0.0) for r in rows)
-        curves[n] = mean_curve(per_seed)
+        curves[n], seed_curves[n] = mean_curve(per_seed), per_seed
         gains = [c[-1][1] - c[0][1] for c in per_seed]
         print(f"{n:>14}: {steps:3d} steps, {step_cost(cfgs[n], 0):5.2f} fwd/image at step 0, train wall "
               f"{wall:6.1f} s | held-out {curves[n][0][1]:.4f} -> {curves[n][-1][1]:.4f} | gain per seed "
@@ -225,18 +234,19 @@ def main() -> None:
     plot(curves, out / "time_to_reward.png")
 
     base = curves["dancegrpo"]
-    gain = base[-1][1] - base[0][1]
-    need_base = compute_to_reach(base, gain) if gain > 0 else None
+    gain, need_base, _ = speedup(base, base)
     print(f"baseline held-out gain {gain:+.4f} at {base[-1][0]:.0f} fwd/image (reached at {need_base})")
     best = 0.0
     for n in names[1:]:
-        need = compute_to_reach(curves[n], gain) if need_base is not None else None
-        ratio = need_base / need if need else 0.0
+        _, need, ratio = speedup(base, curves[n])
         best = max(best, ratio)
         final = curves[n][-1][1] - curves[n][0][1]
         at_budget = f"{final / gain:.2f}x the baseline's" if gain > 0 else "-"
+        # the goal is per seed: each seed's run against the baseline's run of that seed
+        own = ", ".join(f"{seed}: {speedup(b, c)[2]:.2f}x"
+                        for seed, b, c in zip(args.seeds, seed_curves["dancegrpo"], seed_curves[n]))
         print(f"{n:>14}: final gain {final:+.4f} ({at_budget}); reaches the baseline's gain at "
-              f"{'never' if need is None else f'{need:.0f}'} fwd/image -> speed-up {ratio:.2f}x")
+              f"{'never' if need is None else f'{need:.0f}'} fwd/image -> speed-up {ratio:.2f}x (per seed {own})")
     print(f"plot: {out / 'time_to_reward.png'}")
     print(f"time_to_reward_speedup: {best:.3f}")
 

@@ -31,6 +31,14 @@ def test_compute_to_reach_interpolates_between_evals():
     assert ttr.compute_to_reach([(0.0, 0.5), (50.0, 0.49), (90.0, 0.53)], 0.01) == pytest.approx(70.0)
 
 
+def test_speedup_is_the_baselines_compute_to_its_final_gain_over_the_others():
+    base = [(0.0, 0.50), (100.0, 0.53), (200.0, 0.52)]  # its final gain +0.02, first reached at 66.7
+    assert ttr.speedup(base, [(0.0, 0.60), (20.0, 0.63)]) == (pytest.approx(0.02), pytest.approx(40 / 3),
+                                                               pytest.approx(5.0))
+    assert ttr.speedup(base, [(0.0, 0.60), (20.0, 0.59)])[1:] == (None, 0.0)  # never reached
+    assert ttr.speedup([(0.0, 0.5), (100.0, 0.49)], base)[1:] == (None, 0.0)  # a baseline that lost: no reading
+
+
 def test_seed_curves_are_averaged_point_by_point():
     a = [(0.0, 0.50), (100.0, 0.54)]
     b = [(0.0, 0.52), (100.0, 0.52)]
