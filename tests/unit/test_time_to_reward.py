@@ -15,7 +15,7 @@ def test_cost_model_of_the_presets():
     assert cost["flash_frozen"] == 1 + 2 + 3 and cost["nft_dpm"] == 1 + 2 + 2 * 4 < cost["nft"] == 6 + 2 * 4
     # candidate selection: a pool of 8 previewed in 3 steps per 4 kept, on top of the step it selects for
     assert cost["grpo_candidates"] == 8 * 3 / 4 + cost["dancegrpo"] and cost["nft_candidates"] == 6 + cost["nft"]
-    assert cost["awm_candidates"] == 6 + cost["awm"]
+    assert cost["awm_candidates"] == 6 + cost["awm"] and cost["awm_t1"] == 6 + 1 * 4
     # BranchGRPO, trees of 4 splitting at steps 0 and 2: 1+2+2+4+4+4 rollout calls and 3 x (1+2+2+4+4) a tree
     assert cost["branchgrpo"] == (17 + 3 * 13) / 4
     cfg = ttr.strategy_config("awm", [])
