@@ -134,7 +134,7 @@ def keep_traceback(err: BaseException, out: str | Path, rank: int) -> str:
 def outside_exit(err: OutsideFailure, out: str | Path, rank: int) -> int:
     """The one way a run ends on an OutsideFailure: this rank's traceback goes to output_dir/logs/ and rank 0 prints
     one line naming that file."""
-    return rank_exit(f"error: {err}{keep_traceback(err, out, rank)}", err.code, every_rank=True)
+    return rank_exit(f"error: {err}{keep_traceback(err, out, rank)}", err.code)
 
 
 def peer_lost_exit(err: BaseException, line: str, out: str | Path, rank: int, release: Callable[[], None]) -> NoReturn:
@@ -160,18 +160,15 @@ def peer_lost_exit(err: BaseException, line: str, out: str | Path, rank: int, re
     os._exit(EXIT_RETRY_LATER)
 
 
-def rank_exit(line: str, code: int, every_rank: bool = False) -> int:
+def rank_exit(line: str, code: int) -> int:
     """A rank's last words before exiting with a code that means something (2 bad input, 3 too many skipped updates, 75
-    retry later): every rank finds the same problem, so rank 0 alone prints `line` on stderr. Under torchrun rank 0 also
-    writes it to torchelastic's error file (TORCHELASTIC_ERROR_FILE, the format ErrorHandler.record_exception writes),
-    so that a plain torchrun, which exits 1 with its ChildFailedError report, names that line and its code as the root
-    cause instead of "To enable traceback see ...". every_rank: a failure that this rank may have met alone (the disk,
-    during its own writes): every rank writes the error file, so tools/torchrun.py can print the line when rank 0 did
-    not get to (its peers were stuck in a collective and torchrun stopped them). Returns `code`."""
-    rank = int(os.environ.get("RANK", "0"))
-    if rank != 0 and not every_rank:
-        return code
-    if rank == 0:
+    retry later): every rank finds the same problem, so rank 0 alone prints `line` on stderr. Under torchrun every rank
+    also writes it to torchelastic's error file (TORCHELASTIC_ERROR_FILE, the format ErrorHandler.record_exception
+    writes): a plain torchrun, which exits 1 with its ChildFailedError report, then names that line and its code as the
+    root cause instead of "To enable traceback see ...", and tools/torchrun.py prints the line when rank 0 did not get
+    to (another rank exited first and torchrun stopped rank 0, or rank 0 runs on another machine, or this rank met the
+    failure alone: the disk, during its own writes). Returns `code`."""
+    if int(os.environ.get("RANK", "0")) == 0:
         print(line, file=sys.stderr, flush=True)
     _error_file(line, code)
     return code

@@ -153,6 +153,13 @@ def _follow_on(failure) -> bool:
     return line is not None and line.startswith(f"error: {COLLECTIVE_FAILED}")
 
 
+def _rank_zero_said(failures: dict) -> bool:
+    """Rank 0 printed its recipe line (grpo.errors.rank_exit prints it before it writes its error file). Not when
+    torchrun stopped rank 0 before it got there (a peer exited first), nor when rank 0 runs on another machine."""
+    zero = failures.get(0)
+    return zero is not None and _recipe_line(zero) is not None and not _follow_on(zero)
+
+
 def exit_code(failures: dict, killed: bool = False) -> tuple[int, str | None]:
     """The job's exit code from torchrun's failures {rank: ProcessFailure}, and a line to print (None: the recipe
     printed its own). A worker killed by a signal is a lost rank (:func:`lost_rank`): 75, retry later, whatever its
@@ -169,7 +176,7 @@ def exit_code(failures: dict, killed: bool = False) -> tuple[int, str | None]:
     ranked = sorted(causes.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
     for rank, failure in ranked:
         if failure.exitcode in PASSED_ON:
-            return failure.exitcode, _recipe_line(failure) if _follow_on(failure) else None
+            return failure.exitcode, None if _rank_zero_said(failures) else _recipe_line(failure)
     # An outside failure that some rank met alone (grpo.errors.outside_exit): rank 0 printed its line if it met it
     # too; else the line of the first rank that did, instead of a [launch] line about a code 1.
     said = [(rank, line) for rank, line in ((r, _recipe_line(f)) for r, f in ranked) if line]
