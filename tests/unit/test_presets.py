@@ -58,7 +58,7 @@ def renamed(old: dict, preset: str) -> dict:
         new[old["algorithm"]] = {k: matching[k] for k in (*forward, *own)}
     if old["algorithm"] == "awm":  # finding 2: AWM's own draw of the noise levels (it was uniform)
         new["awm"]["timestep_draw"] = "discrete_wo_init"
-    if preset == "recipes/configs/tiny/awm_lora.yaml":  # the default run since issue 32: 120 steps, read through an EMA
+    if preset == "recipes/configs/tiny/awm_lora.yaml":  # the default run since issue 32: 120 steps, an EMA
         new["max_steps"], new["ema"] = 120, {"decay": 0.9}
     return new
 
