@@ -179,9 +179,9 @@ def exit_code(failures: dict, killed: bool = False) -> tuple[int, str | None]:
             return failure.exitcode, None if _rank_zero_said(failures) else _recipe_line(failure)
     # An outside failure that some rank met alone (grpo.errors.outside_exit): rank 0 printed its line if it met it
     # too; else the line of the first rank that did, instead of a [launch] line about a code 1.
-    said = [(rank, line) for rank, line in ((r, _recipe_line(f)) for r, f in ranked) if line]
+    said = [line for line in (_recipe_line(f) for _, f in ranked) if line]
     if said:
-        return 1, None if any(rank == 0 for rank, _ in said) else said[0][1]
+        return 1, None if _rank_zero_said(failures) else said[0]
     rank, failure = next(((r, f) for r, f in ranked if f.exitcode > 0), ranked[0])
     how = (f"was killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
            else f"exited with code {failure.exitcode}")
