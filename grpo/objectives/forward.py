@@ -32,6 +32,9 @@ class ForwardProcessSettings:
                                      "75)")
     kl_coef: float = setting(0.0, help="weight of mean (v - v_ref)^2 to the initial model (DiffusionNFT: 1e-4); 0 = "
                                        "off, no reference model")
+    group_noise: bool = setting(False, help="true: a group's images share their forward-process noise at a point "
+                                            "(common random numbers: the same expected update, less noise in it); "
+                                            "false: one noise per image (DiffusionNFT, AWM)")
 
 
 class ForwardProcess(Objective):
@@ -92,12 +95,17 @@ class ForwardProcess(Objective):
                     c.reference = {j: self.velocity(models, model, c, j) for j in c.trained}
 
     def _noise_clean_samples(self, models: Models, chunks: list[Chunk], step: int) -> None:
-        """x_t = (1 - t)·x0 + t·eps at each trained schedule point t = sigma_j, eps keyed on the sample."""
+        """x_t = (1 - t)·x0 + t·eps at each trained schedule point t = sigma_j, eps keyed on the sample, or with
+        group_noise on its group: the group's advantages sum to zero, so with one eps (and one t: a micro-batch
+        draws its points once) the part of each image's gradient that comes from the noise, not from its x0,
+        cancels across the group instead of adding variance; each image's eps is still N(0, I), so the expected
+        update is unchanged."""
         cfg, sigmas = self.cfg, models.sampler.sigmas
         points = cfg.sampling.num_steps
+        per = cfg.sampling.group_size if self.settings.group_noise else 1
         for c in chunks:
             for j in c.trained:
-                eps = torch.stack([matching_noise(c.traj.x0.shape[1:], cfg.seed, step, i, j, points)
+                eps = torch.stack([matching_noise(c.traj.x0.shape[1:], cfg.seed, step, i // per, j, points)
                                    for i in c.ids]).to(c.traj.x0.device)
                 t = sigmas[j].expand(len(c.ids)).to(c.traj.x0.device)
                 c.noised[j] = (forward_noise(c.traj.x0, eps, t), eps)
