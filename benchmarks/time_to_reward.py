@@ -73,6 +73,12 @@ STRATEGIES: dict[str, tuple[str, list[str], str]] = {
                "AWM at one noise level per image instead of 2 (a cheaper update)"),
     "awm_t1_lr2": ("recipes/configs/tiny/awm_lora.yaml", ["awm.timesteps=1", "optim.lr=2e-3"],
                    "AWM at one noise level per image, lr 2e-3 (measured: no faster start)"),
+    "awm_group_noise": ("recipes/configs/tiny/awm_lora.yaml", ["awm.group_noise=true"],
+                        "AWM, a group's images noised with one eps at a point (common random numbers)"),
+    "awm_t1_group_noise": ("recipes/configs/tiny/awm_lora.yaml", ["awm.timesteps=1", "awm.group_noise=true"],
+                           "AWM at one noise level per image, a group's images noised with one eps"),
+    "nft_group_noise": ("recipes/configs/tiny/nft_lora.yaml", ["nft.group_noise=true"],
+                        "DiffusionNFT, a group's images noised with one eps at a point (common random numbers)"),
     "awm_candidates": ("recipes/configs/tiny/awm_lora.yaml", [f"sampling.candidates.{k}={v}" for k, v in (
         ("pool", 8), ("keep_top", 2), ("keep_bottom", 2), ("preview_steps", 3))],
                        "AWM on the best 2 + worst 2 of 8 candidates, previewed in 3 ODE steps (Sol-RL)"),

@@ -56,6 +56,7 @@ def renamed(old: dict, preset: str) -> dict:
         new["grpo"]["replay"] = None  # new with OP-GRPO's replay (issue 32): off
     else:
         new[old["algorithm"]] = {k: matching[k] for k in (*forward, *own)}
+        new[old["algorithm"]]["group_noise"] = False  # new with issue 32: one noise per image, as the sources
     if old["algorithm"] == "awm":  # finding 2: AWM's own draw of the noise levels (it was uniform)
         new["awm"]["timestep_draw"] = "discrete_wo_init"
     if preset == "recipes/configs/tiny/awm_lora.yaml":  # the default run since issue 32: 120 steps, an EMA
