@@ -32,9 +32,10 @@ def _run(tmp, config, out, extra):
 def runs(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     config = f"recipes/configs/tiny/{request.param}_lora.yaml"
-    _run(tmp, config, tmp / "reference", [f"max_steps={STEPS}"])
-    _run(tmp, config, tmp / "resumed", [f"max_steps={STEPS - 1}"])
-    _run(tmp, config, tmp / "resumed", [f"max_steps={STEPS}", "checkpoint.resume=auto"])
+    own = ["awm.group_noise=true"] if request.param == "awm" else []  # the shared noise resumes exactly too
+    _run(tmp, config, tmp / "reference", [f"max_steps={STEPS}", *own])
+    _run(tmp, config, tmp / "resumed", [f"max_steps={STEPS - 1}", *own])
+    _run(tmp, config, tmp / "resumed", [f"max_steps={STEPS}", "checkpoint.resume=auto", *own])
     return request.param, tmp / "reference", tmp / "resumed"
 
 

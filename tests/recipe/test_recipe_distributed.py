@@ -84,7 +84,8 @@ def test_same_step_on_one_and_two_processes(lora_runs, full_kl_runs, which):
 # The strategy and objective presets, each with one more option switched on where it fits: MixGRPO-Flash with
 # GRPO-Guard's RatioNorm (Flow-SDE), Flow-GRPO-Fast with CPS and two updates a step (so the second block is
 # off-policy), BranchGRPO's trees with a KL to the base model (per edge), DiffusionNFT with its KL to the base model,
-# AWM with its EMA anchor and DPM-Solver++(2M) rollouts. The last number is the step's forwards per image: the step-0
+# AWM with its EMA anchor, DPM-Solver++(2M) rollouts and one noise per group (group_noise, as nft_candidates). The
+# last number is the step's forwards per image: the step-0
 # window is [0, 2), so Flash's tail has floor((6 - 1) * 0.5) = 2 points (one solver step after the window); Flash*'s
 # window is [0, 1) at every step, with floor(6 * 0.5) = 3 tail points (two solver steps) and one trained transition,
 # as AWM's rollout (an Euler step, then two solver steps); a tree of 4 pays per node (17 rollout calls, 13 trained
@@ -98,12 +99,12 @@ PRESETS = {
     "flowgrpo_fast": ("recipes/configs/tiny/flowgrpo_fast_lora.yaml", ["batch.updates_per_step=2"], 6 + 3 * 2),
     "branchgrpo": ("recipes/configs/tiny/branchgrpo_lora.yaml", ["grpo.kl_coef=0.1"], (17 + 13 * (3 + 1)) / 4),
     "nft": ("recipes/configs/tiny/nft_lora.yaml", ["nft.kl_coef=1e-4"], 6 + 2 * (3 + 1 + 1)),
-    "awm": ("recipes/configs/tiny/awm_lora.yaml", ["sampling.tail=dpm2", "sampling.compress_ratio=0.5"],
-            3 + 2 * (3 + 1)),
+    "awm": ("recipes/configs/tiny/awm_lora.yaml", ["sampling.tail=dpm2", "sampling.compress_ratio=0.5",
+                                                   "awm.group_noise=true"], 3 + 2 * (3 + 1)),
     "flashgrpo": ("recipes/configs/tiny/flashgrpo_lora.yaml", ["grpo.kl_coef=0.1", "batch.micro_batch_size=2"],
                   6 + 1 * (3 + 1)),
     "grpo_candidates": ("recipes/configs/tiny/grpo_candidates_lora.yaml", [], 6 + 6 + 5 * 3),
-    "nft_candidates": ("recipes/configs/tiny/nft_candidates_lora.yaml", [], 6 + 6 + 2 * (3 + 1)),
+    "nft_candidates": ("recipes/configs/tiny/nft_candidates_lora.yaml", ["nft.group_noise=true"], 6 + 6 + 2 * (3 + 1)),
 }
 # The same code paths as another preset's: with -m slow (CI time).
 SLOW_PRESETS = ("flash_frozen", "nft_candidates")
