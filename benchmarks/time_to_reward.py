@@ -64,14 +64,16 @@ STRATEGIES: dict[str, tuple[str, list[str], str]] = {
     "nft": ("recipes/configs/tiny/nft_lora.yaml", [], "DiffusionNFT: ODE rollouts, implicit +/- policies"),
     "nft_dpm": ("recipes/configs/tiny/nft_lora.yaml", ["sampling.tail=dpm2", "sampling.compress_ratio=0.5"],
                 "DiffusionNFT, rollouts by DPM-Solver++(2M) in 3 calls (its source's solver)"),
-    "awm": ("recipes/configs/tiny/awm_lora.yaml", [], "AWM: ODE rollouts, advantage-weighted matching"),
+    # AWM as its source (one noise per image); the preset shares a group's (awm_group_noise)
+    "awm": ("recipes/configs/tiny/awm_lora.yaml", ["awm.group_noise=false"],
+            "AWM: ODE rollouts, advantage-weighted matching"),
     "grpo_candidates": ("recipes/configs/tiny/grpo_candidates_lora.yaml", [],
                         "DanceGRPO on the best 2 + worst 2 of 8 candidates, previewed in 3 ODE steps (Sol-RL)"),
     "nft_candidates": ("recipes/configs/tiny/nft_candidates_lora.yaml", [],
                        "DiffusionNFT on the best 2 + worst 2 of 8 candidates, previewed in 3 ODE steps (Sol-RL)"),
-    "awm_t1": ("recipes/configs/tiny/awm_lora.yaml", ["awm.timesteps=1"],
+    "awm_t1": ("recipes/configs/tiny/awm_lora.yaml", ["awm.timesteps=1", "awm.group_noise=false"],
                "AWM at one noise level per image instead of 2 (a cheaper update)"),
-    "awm_t1_lr2": ("recipes/configs/tiny/awm_lora.yaml", ["awm.timesteps=1", "optim.lr=2e-3"],
+    "awm_t1_lr2": ("recipes/configs/tiny/awm_lora.yaml", ["awm.timesteps=1", "optim.lr=2e-3", "awm.group_noise=false"],
                    "AWM at one noise level per image, lr 2e-3 (measured: no faster start)"),
     "awm_group_noise": ("recipes/configs/tiny/awm_lora.yaml", ["awm.group_noise=true"],
                         "AWM, a group's images noised with one eps at a point (common random numbers)"),
@@ -79,8 +81,9 @@ STRATEGIES: dict[str, tuple[str, list[str], str]] = {
                            "AWM at one noise level per image, a group's images noised with one eps"),
     "nft_group_noise": ("recipes/configs/tiny/nft_lora.yaml", ["nft.group_noise=true"],
                         "DiffusionNFT, a group's images noised with one eps at a point (common random numbers)"),
-    "awm_candidates": ("recipes/configs/tiny/awm_lora.yaml", [f"sampling.candidates.{k}={v}" for k, v in (
-        ("pool", 8), ("keep_top", 2), ("keep_bottom", 2), ("preview_steps", 3))],
+    "awm_candidates": ("recipes/configs/tiny/awm_lora.yaml", ["awm.group_noise=false", *(
+        f"sampling.candidates.{k}={v}"
+        for k, v in (("pool", 8), ("keep_top", 2), ("keep_bottom", 2), ("preview_steps", 3)))],
                        "AWM on the best 2 + worst 2 of 8 candidates, previewed in 3 ODE steps (Sol-RL)"),
     "opgrpo": ("recipes/configs/tiny/opgrpo_lora.yaml", [],
                "DanceGRPO + a replay block of past best trajectories a step, importance-weighted (OP-GRPO)"),

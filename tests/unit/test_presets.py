@@ -61,6 +61,7 @@ def renamed(old: dict, preset: str) -> dict:
         new["awm"]["timestep_draw"] = "discrete_wo_init"
     if preset == "recipes/configs/tiny/awm_lora.yaml":  # the default run since issue 32: 120 steps, an EMA
         new["max_steps"], new["ema"] = 120, {"decay": 0.9}
+        new["awm"]["group_noise"] = True  # ... and one noise per group (issue 32)
     return new
 
 
