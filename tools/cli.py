@@ -34,6 +34,7 @@ COMMANDS: dict[str, Command] = {
     "prompts": Command("tools.prompts:main", "precompute a preset's prompt-embedding caches before training"),
     "rewards": Command("tools.rewards:main", "list the rewards, score a folder of images, or serve rewards over HTTP"),
     "eval": Command("tools.eval:main", "evaluate a checkpoint offline on held-out prompts"),
+    "compare": Command("tools.compare:main", "paired gains and differences of tools.eval's scores.json files"),
     "export": Command("tools.export:main", "export a training checkpoint to plain diffusers weights"),
     "align": Command("tools.align:main", "precision alignment: one seeded step under two settings, block by block"),
     "npu-audit": Command("tools.npu_audit:main", "list the ops of a preset's step that would hurt on Ascend NPUs"),

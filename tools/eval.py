@@ -7,7 +7,7 @@ The held-out prompts are sampled (eta = 0, fixed noise) in one process without D
 checkpoint: a checkpoint folder or a run folder (default: the newest valid checkpoint under output_dir; the base
 model only when there is none). weights: auto (the EMA's when the checkpoint has them), ema or model. Writes
 ``output_dir/eval/<checkpoint>/grid.png`` (one row per prompt: base | checkpoint; for an editing set source | base |
-checkpoint) and ``scores.json``. The sampling
+checkpoint) and ``scores.json`` (`python -m tools.compare` reads two of them paired, image by image). The sampling
 and scoring are the recipe's own (grpo/eval.py), so the images are those of the run's held-out evals.
 """
 
@@ -49,6 +49,7 @@ def _summary(components: torch.Tensor, total: torch.Tensor, names: list[str], n_
         "reward_mean": total.mean().item(),
         "per_prompt": total.view(-1, n_prompts).mean(0).tolist(),  # rows of the [seeds, prompts] layout of the ids
         "components": {n: components[:, i].tolist() for i, n in enumerate(names)},  # per image
+        "per_image": total.tolist(),  # the weighted total, paired across checkpoints (python -m tools.compare)
     }
 
 

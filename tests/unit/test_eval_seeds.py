@@ -36,6 +36,8 @@ def test_eval_seeds_extend_the_one_seed_eval(tmp_path):
     scores = torch.tensor(three["base"]["components"]["tiny_world"]).view(3, n)
     torch.testing.assert_close(torch.tensor(three["base"]["per_prompt"]), scores.mean(0))
     assert three["base"]["reward_mean"] == pytest.approx(scores.mean().item(), abs=1e-6)
+    # one reward of weight 1: the per-image total tools.compare pairs is that reward's score
+    torch.testing.assert_close(torch.tensor(three["base"]["per_image"]), scores.flatten())
 
 
 def test_eval_seeds_must_be_positive():
