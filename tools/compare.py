@@ -23,6 +23,8 @@ from pathlib import Path
 
 from grpo.errors import ConfigError, run_command
 
+SAME_SCORE = 1e-4  # base scores closer than this are the same image
+
 
 def paired(before: list[float], after: list[float]) -> dict:
     """Mean of after - before over the pairs, its standard error, t (0 for no spread) and the share of pairs up."""
@@ -52,11 +54,17 @@ def read_scores(path: str | Path) -> dict:
     return scores
 
 
+def _same_images(a: list[float], b: list[float]) -> bool:
+    """The same base images up to rounding: another host or micro-batch shape moves a score by ~1e-6, another noise or
+    prompt by ~1e-2."""
+    return len(a) == len(b) and all(abs(x - y) <= SAME_SCORE for x, y in zip(a, b))
+
+
 def compare(paths: list[str], ceiling: float | None = None) -> str:
     runs = [read_scores(p) for p in paths]
     first = runs[0]
     for path, r in zip(paths[1:], runs[1:]):
-        if r["prompts"] != first["prompts"] or r["base"]["per_image"] != first["base"]["per_image"]:
+        if r["prompts"] != first["prompts"] or not _same_images(r["base"]["per_image"], first["base"]["per_image"]):
             raise ConfigError(f"{path}: its base images differ from {paths[0]}'s (other prompts, seeds or sampling); "
                               f"compare evals of one preset with the same logging.eval_seeds")
     base = first["base"]["per_image"]
@@ -67,7 +75,7 @@ def compare(paths: list[str], ceiling: float | None = None) -> str:
              f"seeds), base {base_mean:.4f}"]
     for path, r in zip(paths, runs):
         after = r["checkpoint"]["per_image"]
-        g = paired(base, after)
+        g = paired(r["base"]["per_image"], after)
         line = (f"{path}: step {r['checkpoint']['step']} ({r['checkpoint']['weights']}) {sum(after) / len(after):.4f}"
                 f" | gain {g['mean']:+.4f} +- {g['se']:.4f}, t {g['t']:.1f}, {100 * g['higher']:.0f}% higher")
         if ceiling is not None:

@@ -23,7 +23,7 @@ def _scores(tmp_path, name: str, after: list[float] | None, base: list[float] = 
     return str(path)
 
 
-def test_paired_is_the_mean_difference_and_its_standard_error():
+def test_paired_is_the_mean_difference_and_its_standard_error(tmp_path):
     after = [0.90, 0.72, 0.88, 0.75, 0.95, 0.74]
     d = [b - a for a, b in zip(BASE, after)]
     got = paired(BASE, after)
@@ -32,6 +32,9 @@ def test_paired_is_the_mean_difference_and_its_standard_error():
     assert got["se"] == pytest.approx(se, abs=1e-12)
     assert got["t"] == pytest.approx(statistics.fmean(d) / se, abs=1e-9)
     assert got["higher"] == pytest.approx(4 / 6) and got["n"] == 6
+    # the base evals of two hosts differ by rounding only: still paired
+    out = compare([_scores(tmp_path, "a", BASE), _scores(tmp_path, "b", BASE, base=[x + 1e-6 for x in BASE])])
+    assert out.splitlines()[-1].endswith(": +0.0000 +- 0.0000, t 0.0, 0% higher")
     # no spread: t is 0, not a division by zero
     assert paired([0.5, 0.5], [0.6, 0.6])["t"] == 0.0
 
