@@ -79,6 +79,9 @@ STRATEGIES: dict[str, tuple[str, list[str], str]] = {
                         "AWM, a group's images noised with one eps at a point (common random numbers)"),
     "awm_t1_group_noise": ("recipes/configs/tiny/awm_lora.yaml", ["awm.timesteps=1", "awm.group_noise=true"],
                            "AWM at one noise level per image, a group's images noised with one eps"),
+    "awm_t1_group8": ("recipes/configs/tiny/awm_lora.yaml", ["awm.timesteps=1", "awm.group_noise=true",
+                                                             "sampling.group_size=8", "batch.prompts_per_step=8"],
+                      "AWM at one noise level, groups of 8 (8 prompts a step) sharing their noise (measured: slower)"),
     "nft_group_noise": ("recipes/configs/tiny/nft_lora.yaml", ["nft.group_noise=true"],
                         "DiffusionNFT, a group's images noised with one eps at a point (common random numbers)"),
     "awm_candidates": ("recipes/configs/tiny/awm_lora.yaml", ["awm.group_noise=false", *(
