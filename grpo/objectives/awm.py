@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 @dataclass(kw_only=True)
 class AWMSettings(ForwardProcessSettings):
     huber_p: float = setting(help="exponent of the generalised-Huber weighting (AWM: 0.25)")
-    anchor_coef: float = setting(help="weight of mean (v - v_lagging)^2 (AWM's beta_EMA: 1.0)")
+    anchor_coef: float = setting(help="weight of mean (v - v_lagging)^2 (AWM's beta_EMA: 1.0); 0 = off, no lagging "
+                                      "forward (as the source: train_sd3_awm.py:1276)")
     timestep_draw: str = setting(
         choices=POINT_DRAWS,
         help="how the noise levels are drawn per micro-batch: discrete_wo_init = AWM's (one from each of k equal "
@@ -41,8 +42,9 @@ class AWM(ForwardProcess):
         super().check(cfg)
         if not cfg.awm.huber_p > 0:
             raise ConfigError(f"awm.huber_p: {cfg.awm.huber_p}; use a positive number (AWM: 0.25)")
-        if not cfg.awm.anchor_coef > 0:
-            raise ConfigError(f"awm.anchor_coef: {cfg.awm.anchor_coef}; use a positive number (AWM's beta_EMA: 1.0)")
+        if not cfg.awm.anchor_coef >= 0:
+            raise ConfigError(f"awm.anchor_coef: {cfg.awm.anchor_coef}; use 0 (no anchor) or a positive number "
+                              "(AWM's beta_EMA: 1.0)")
 
     def __init__(self, cfg: RecipeConfig) -> None:
         super().__init__(cfg)
@@ -52,11 +54,18 @@ class AWM(ForwardProcess):
     def point_draw_of(cls, settings) -> str:
         return settings.timestep_draw
 
+    @property
+    def needs_lagging_velocity(self) -> bool:
+        # as the source (`if config.train.ema_beta > 0`), no anchor means no forward of the lagging policy; its
+        # copy is still kept up to date (as the source's EMA adapter), so a resume may turn the anchor on
+        return self.settings.anchor_coef > 0
+
     def loss(self, models: Models, c: Chunk, j: int, adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """AWM at schedule point j: flow matching weighted by the advantage (scaled to +-1), + the anchor term."""
         eps, m = c.noised[j][1], self.settings
         v = self.velocity(models, models.engine, c, j)
         loss, st = awm_loss(v, c.traj.x0, eps, self.sigma(models, c, j), adv / self.cfg.advantage.clip, m.huber_p)
-        anchor = velocity_mse(v, c.lagging[j]).mean()
-        loss, st = loss + m.anchor_coef * anchor, {**st, "anchor": anchor.detach()}
+        if self.needs_lagging_velocity:
+            anchor = velocity_mse(v, c.lagging[j]).mean()
+            loss, st = loss + m.anchor_coef * anchor, {**st, "anchor": anchor.detach()}
         return self.plus_kl(loss, st, v, c, j)

@@ -78,8 +78,9 @@ class ForwardProcess(Objective):
         return decay(optimizer_steps, m.lag_rate, m.lag_max, m.lag_start)
 
     def plan_terms(self) -> PlanTerms:
-        # per noise level: x_t, eps, the lagging velocity, and the reference's (KL)
-        return PlanTerms(lagging_average=True, latents_per_point=3 + (self.kl_coef > 0), reference_phase=True)
+        # per noise level: x_t, eps, the lagging velocity, and the reference's (KL); no-grad forwards for the last two
+        targets = self.needs_lagging_velocity + (self.kl_coef > 0)
+        return PlanTerms(lagging_average=True, latents_per_point=2 + targets, reference_phase=targets > 0)
 
     @torch.no_grad()
     def fixed_targets(self, models: Models, chunks: list[Chunk], step: int) -> None:

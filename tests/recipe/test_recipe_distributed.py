@@ -101,6 +101,7 @@ PRESETS = {
     "nft": ("recipes/configs/tiny/nft_lora.yaml", ["nft.kl_coef=1e-4"], 6 + 2 * (3 + 1 + 1)),
     "awm": ("recipes/configs/tiny/awm_lora.yaml", ["sampling.tail=dpm2", "sampling.compress_ratio=0.5",
                                                    "awm.group_noise=true"], 3 + 2 * (3 + 1)),
+    "awm_no_anchor": ("recipes/configs/tiny/awm_lora.yaml", ["awm.anchor_coef=0", "awm.timesteps=1"], 6 + 1 * 3),
     "flashgrpo": ("recipes/configs/tiny/flashgrpo_lora.yaml", ["grpo.kl_coef=0.1", "batch.micro_batch_size=2"],
                   6 + 1 * (3 + 1)),
     "grpo_candidates": ("recipes/configs/tiny/grpo_candidates_lora.yaml", [], 6 + 6 + 5 * 3),

@@ -16,6 +16,7 @@ def test_cost_model_of_the_presets():
     # candidate selection: a pool of 8 previewed in 3 steps per 4 kept, on top of the step it selects for
     assert cost["grpo_candidates"] == 8 * 3 / 4 + cost["dancegrpo"] and cost["nft_candidates"] == 6 + cost["nft"]
     assert cost["awm_candidates"] == 6 + cost["awm"] and cost["awm_t1"] == 6 + 1 * 4
+    assert cost["awm_t1_no_anchor"] == 6 + 1 * 3  # no anchor: no forward of the lagging policy
     # BranchGRPO, trees of 4 splitting at steps 0 and 2: 1+2+2+4+4+4 rollout calls and 3 x (1+2+2+4+4) a tree
     assert cost["branchgrpo"] == (17 + 3 * 13) / 4
     cfg = ttr.strategy_config("awm", [])
