@@ -57,7 +57,7 @@ class AWM(ForwardProcess):
     @property
     def needs_lagging_velocity(self) -> bool:
         # as the source (`if config.train.ema_beta > 0`), no anchor means no forward of the lagging policy; its
-        # copy is still kept up to date (as the source's EMA adapter), so a resume may turn the anchor on
+        # copy is still kept up to date, as the source updates its EMA adapter whatever beta_EMA
         return self.settings.anchor_coef > 0
 
     def loss(self, models: Models, c: Chunk, j: int, adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
