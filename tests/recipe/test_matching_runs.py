@@ -15,7 +15,10 @@ from tests import TINY
 from tests.recipe.launch import max_abs_diff, run_recipe, tiny_run, train_rows
 
 STEPS = 2
-TERMS = {"nft": ("loss_pos", "loss_neg"), "awm": ("matching_error", "anchor")}
+# name -> (objective, its overrides, the loss terms it logs)
+CASES = {"nft": ("nft", [], ("loss_pos", "loss_neg")),
+         "awm": ("awm", ["awm.group_noise=true"], ("matching_error", "anchor")),  # the shared noise resumes exactly too
+         "awm_no_anchor": ("awm", ["awm.anchor_coef=0"], ("matching_error",))}  # no anchor: its copy still resumes
 
 
 def _run(tmp, config, out, extra):
@@ -28,11 +31,12 @@ def _run(tmp, config, out, extra):
 
 
 # AWM's resume restores the same lagging-policy state as DiffusionNFT's (ShardedEMA): it runs with -m slow (CI time).
-@pytest.fixture(scope="module", params=[pytest.param(t, marks=pytest.mark.slow) if t == "awm" else t for t in TERMS])
+@pytest.fixture(scope="module", params=[pytest.param(t, marks=pytest.mark.slow) if t.startswith("awm") else t
+                                        for t in CASES])
 def runs(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
-    config = f"recipes/configs/tiny/{request.param}_lora.yaml"
-    own = ["awm.group_noise=true"] if request.param == "awm" else []  # the shared noise resumes exactly too
+    objective, own, _ = CASES[request.param]
+    config = f"recipes/configs/tiny/{objective}_lora.yaml"
     _run(tmp, config, tmp / "reference", [f"max_steps={STEPS}", *own])
     _run(tmp, config, tmp / "resumed", [f"max_steps={STEPS - 1}", *own])
     _run(tmp, config, tmp / "resumed", [f"max_steps={STEPS}", "checkpoint.resume=auto", *own])
@@ -47,11 +51,13 @@ def test_resumed_run_ends_exactly_where_the_uninterrupted_one_does(runs):
     rows_a, rows_b = train_rows(ref), train_rows(resumed)
     assert [r["step"] for r in rows_b] == list(range(STEPS))
     for ra, rb in zip(rows_a, rows_b):
-        for key in ("reward_mean", "loss", "grad_norm", *TERMS[algorithm]):
+        for key in ("reward_mean", "loss", "grad_norm", *CASES[algorithm][2]):
             assert ra[key] == rb[key], (ra["step"], key)
     # The lagging policy's shards are part of every checkpoint (what makes the resumed loss above exact).
     lag = load_file(str(ref / "checkpoints" / f"step_{STEPS:08d}" / "grpo_rank00000.safetensors"))
     assert any(k.startswith("lag/") for k in lag)
+    if algorithm == "awm_no_anchor":  # neither the term nor its forward
+        assert all("anchor" not in r for r in rows_a)
 
 
 def test_lora_loads_in_flux_pipeline(runs):
