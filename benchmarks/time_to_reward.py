@@ -84,8 +84,8 @@ STRATEGIES: dict[str, tuple[str, list[str], str]] = {
                       "AWM at one noise level, groups of 8 (8 prompts a step) sharing their noise (measured: slower)"),
     "awm_t1_no_anchor": ("recipes/configs/tiny/awm_lora.yaml", ["awm.timesteps=1", "awm.group_noise=true",
                                                                 "awm.anchor_coef=0"],
-                         "AWM at one noise level, group noise, no anchor: 9 forwards a step instead of 10 (measured: faster start, "
-                         "lower end)"),
+                         "AWM at one noise level, group noise, no anchor: 9 forwards a step, not 10 (measured: faster "
+                         "start, lower end)"),
     "nft_group_noise": ("recipes/configs/tiny/nft_lora.yaml", ["nft.group_noise=true"],
                         "DiffusionNFT, a group's images noised with one eps at a point (common random numbers)"),
     "awm_candidates": ("recipes/configs/tiny/awm_lora.yaml", ["awm.group_noise=false", *(
