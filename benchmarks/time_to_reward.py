@@ -86,6 +86,10 @@ STRATEGIES: dict[str, tuple[str, list[str], str]] = {
                                                                 "awm.anchor_coef=0"],
                          "AWM at one noise level, group noise, no anchor: 9 forwards a step, not 10 (measured: faster "
                          "start, lower end)"),
+    "awm_t1_no_anchor_4": ("recipes/configs/tiny/awm_lora.yaml", ["awm.timesteps=1", "awm.group_noise=true",
+                                                                  "awm.anchor_coef=0", "sampling.num_steps=4",
+                                                                  "sampling.eval_num_steps=6"],
+                           "the same on 4-step rollouts, evals on 6 (Flow-GRPO's denoising reduction): 7 a step"),
     "nft_group_noise": ("recipes/configs/tiny/nft_lora.yaml", ["nft.group_noise=true"],
                         "DiffusionNFT, a group's images noised with one eps at a point (common random numbers)"),
     "awm_candidates": ("recipes/configs/tiny/awm_lora.yaml", ["awm.group_noise=false", *(

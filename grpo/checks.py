@@ -26,6 +26,8 @@ def validate(cfg: RecipeConfig) -> None:
         raise ConfigError(f"sampling.group_size: {s.group_size} gives no group statistics; use at least 2")
     if s.num_steps < 2:
         raise ConfigError(f"sampling.num_steps: {s.num_steps} leaves no trainable transition; use at least 2")
+    if s.eval_num_steps is not None and s.eval_num_steps < 1:
+        raise ConfigError(f"sampling.eval_num_steps: {s.eval_num_steps}; use at least 1, or null for num_steps")
     if s.eta < 0:
         raise ConfigError(f"sampling.eta: {s.eta} is negative; use eta >= 0 (0 = ODE)")
     if s.sde == "cps" and s.eta > 1:

@@ -137,6 +137,10 @@ class CandidatesConfig:
 class SamplingConfig:
     resolution: int = setting(help="image side in pixels, a multiple of 16")
     num_steps: int = setting(help="denoising steps per rollout")
+    eval_num_steps: int | None = setting(
+        None, resume=FREE, help="steps of the held-out evals (eta 0, the same shift); null = num_steps. Fewer rollout "
+                                "steps than eval steps is Flow-GRPO's denoising reduction (10 for training, "
+                                "eval_num_steps 40)")
     eta: float = setting(help="SDE noise of the rollouts: > 0 for grpo; 0 (ODE rollouts) or more for nft/awm; eval "
                               "always uses 0 (deterministic ODE)")
     sde: str = setting(choices=("dance", "flow", "cps"),

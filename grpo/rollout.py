@@ -230,6 +230,12 @@ class FluxSampler:
         return dataclasses.replace(self, sampling=s, sigmas=schedule(s, self.family, self.latent_size,
                                                                      self.scheduler_config or {}))
 
+    def for_eval(self) -> "FluxSampler":
+        """The held-out evals' sampler: this one, or on sampling.eval_num_steps steps (Flow-GRPO's denoising
+        reduction: rollouts on fewer steps than the evals that judge them)."""
+        steps = self.sampling.eval_num_steps
+        return self if steps is None or steps == self.sampling.num_steps else self.with_steps(steps)
+
     def conditioning(self, cache: PromptCache, prompt_idx: list[int]) -> Conditioning:
         return self.family.conditioning(cache.rows(prompt_idx), self.latent_size, self.sampling.guidance,
                                         self.guidance_embeds, self.device, self.dtype)

@@ -605,7 +605,7 @@ class FluxGRPORecipe:
         ids = list(range(self.rank, n, self.world))
         micro = self.layout.rollout_micro_batch_size
         with self._trained_weights(), eng.inference_module(self.engine, self.cfg.deepspeed.gather_for_rollout) as m:
-            x0 = evals.sample_heldout(m, self.sampler, self.eval_prompts, ids, micro)
+            x0 = evals.sample_heldout(m, self.sampler.for_eval(), self.eval_prompts, ids, micro)
         with agreed_outside_failure(self.device):
             images, local = evals.score_heldout(self.sampler, self.rewards, self.eval_prompts, ids, x0, micro)
         with agreed_outside_failure(self.device), writes_under(self.out, f"the eval grid of step {step}"):

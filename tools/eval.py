@@ -96,7 +96,7 @@ def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weight
                                              transformer_dtype=dtype)
     model = parts.transformer.to(device).eval()
     dev.set_attention_backend(model, cfg.model.attention_backend)
-    sampler = FluxSampler.from_parts(parts, parts.vae.to(device), cfg.sampling, cfg.seed, device, dtype)
+    sampler = FluxSampler.from_parts(parts, parts.vae.to(device), cfg.sampling, cfg.seed, device, dtype).for_eval()
     micro = layout.rollout_micro_batch_size
     rewards = build_rewards(cfg.rewards, device)
     ids = list(range(eval_images(cache, cfg)))

@@ -96,6 +96,7 @@ def test_overrides_types_and_lora_switch():
         (["sampling.eta=0"], "sampling.eta"),
         (["sampling.sde=ddim"], "sampling.sde"),
         (["sampling.shift=auto"], "sampling.shift"),
+        (["sampling.eval_num_steps=0"], "sampling.eval_num_steps: 0; use at least 1, or null for num_steps"),
         (["sampling.resolution=60"], "sampling.resolution"),
         (["grpo.timestep_fraction=1.5"], "grpo.timestep_fraction"),
         (["advantage.std_scope=global"], "advantage.std_scope"),

@@ -39,7 +39,8 @@ def renamed(old: dict, preset: str) -> dict:
     # new with FLUX.2 (issue 30): encoded as before, in fp32 on one device
     new["data"] = {**old["data"], "text_encoder_dtype": "fp32", "text_encoder_device_map": None,
                    "text_encoder_max_memory": None}
-    new["sampling"] = {**old["sampling"], "candidates": None}  # new with candidate selection (issue 32): off
+    new["sampling"] = {**old["sampling"], "candidates": None,  # new with candidate selection (issue 32): off
+                       "eval_num_steps": None}  # new with issue 32: evals on the rollout's steps, as before
     grpo, matching = old["grpo"], old["matching"]
     # 1e-8: DanceGRPO's, MixGRPO's and BranchGRPO's eps (a tree used 1e-8 before the setting existed)
     small_eps = preset in (*(f"recipes/configs/flux1_dev/{n}.yaml" for n in ("grpo_lora", "grpo_full", "mixgrpo_lora",

@@ -164,3 +164,22 @@ def test_ode_rollouts_with_a_dpm2_tail_and_evals_on_the_schedule(inputs):
 
     expected = dpm_solver_pp_sample(euler.latents[:, 1], x0_of, tail, x0_prev=x0_first, sigma_prev=float(sigmas[0]))
     assert torch.equal(rollout.x0, expected)
+
+
+def test_evals_on_their_own_steps_are_the_presets_evals(inputs):
+    """sampling.eval_num_steps (Flow-GRPO's denoising reduction): rollouts on 4 steps, held-out evals on 6 give
+    exactly the evals of the 6-step preset (the same schedule, the same ODE), so held-out rewards stay comparable
+    between runs with different rollout steps; unset, the eval sampler is the rollout's."""
+    parts, _, _, noise, cond = inputs
+    preset = ROOT / "recipes/configs/tiny/awm_lora.yaml"
+    six = FluxSampler.from_parts(parts, parts.vae, load_config(preset).sampling, 42, torch.device("cpu"),
+                                 torch.float32)
+    four = FluxSampler.from_parts(parts, parts.vae, load_config(preset, ["sampling.num_steps=4",
+                                                                         "sampling.eval_num_steps=6"]).sampling,
+                                  42, torch.device("cpu"), torch.float32)
+    assert six.for_eval() is six and len(four.sigmas) == 4 + 1
+    assert torch.equal(four.for_eval().sigmas, six.sigmas)
+    evaluated = four.for_eval().sample(parts.transformer, cond, FLUX1.pack(noise), eta=0.0)
+    expected = six.sample(parts.transformer, cond, FLUX1.pack(noise), eta=0.0)
+    assert evaluated.nfe == STEPS and torch.equal(evaluated.x0, expected.x0)
+    assert four.sample(parts.transformer, cond, FLUX1.pack(noise)).nfe == 4  # the rollout keeps its own steps
