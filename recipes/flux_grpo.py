@@ -603,11 +603,11 @@ class FluxGRPORecipe:
             return None
         n = evals.eval_images(self.eval_prompts, self.cfg)
         ids = list(range(self.rank, n, self.world))
-        micro = self.layout.rollout_micro_batch_size
+        micro, sampler = self.layout.rollout_micro_batch_size, self.sampler.for_eval()
         with self._trained_weights(), eng.inference_module(self.engine, self.cfg.deepspeed.gather_for_rollout) as m:
-            x0 = evals.sample_heldout(m, self.sampler.for_eval(), self.eval_prompts, ids, micro)
+            x0 = evals.sample_heldout(m, sampler, self.eval_prompts, ids, micro)
         with agreed_outside_failure(self.device):
-            images, local = evals.score_heldout(self.sampler, self.rewards, self.eval_prompts, ids, x0, micro)
+            images, local = evals.score_heldout(sampler, self.rewards, self.eval_prompts, ids, x0, micro)
         with agreed_outside_failure(self.device), writes_under(self.out, f"the eval grid of step {step}"):
             if self.rank == 0 and ids:  # this rank's share: prompts 0, world, 2*world, ...
                 save_grid(images, self.out / "samples" / f"eval_step_{step:05d}.png", min(len(ids), 8))
