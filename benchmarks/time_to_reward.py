@@ -90,6 +90,10 @@ STRATEGIES: dict[str, tuple[str, list[str], str]] = {
                                                                   "awm.anchor_coef=0", "sampling.num_steps=4",
                                                                   "sampling.eval_num_steps=6"],
                            "the same on 4-step rollouts, evals on 6 (Flow-GRPO's denoising reduction): 7 a step"),
+    "awm_t1_no_anchor_3": ("recipes/configs/tiny/awm_lora.yaml", ["awm.timesteps=1", "awm.group_noise=true",
+                                                                  "awm.anchor_coef=0", "sampling.num_steps=3",
+                                                                  "sampling.eval_num_steps=6"],
+                           "the same on 3-step rollouts, evals on 6: 6 a step, every noise level at sigma 0.86"),
     "nft_group_noise": ("recipes/configs/tiny/nft_lora.yaml", ["nft.group_noise=true"],
                         "DiffusionNFT, a group's images noised with one eps at a point (common random numbers)"),
     "awm_candidates": ("recipes/configs/tiny/awm_lora.yaml", ["awm.group_noise=false", *(
