@@ -94,6 +94,9 @@ STRATEGIES: dict[str, tuple[str, list[str], str]] = {
                                                                   "awm.anchor_coef=0", "sampling.num_steps=3",
                                                                   "sampling.eval_num_steps=6"],
                            "the same on 3-step rollouts, evals on 6: 6 a step, every noise level at sigma 0.86"),
+    "awm_t1_3": ("recipes/configs/tiny/awm_lora.yaml", ["awm.timesteps=1", "awm.group_noise=true", "sampling.num_steps=3",
+                                                      "sampling.eval_num_steps=6"],
+                 "AWM at one noise level, group noise, the anchor kept, on 3-step rollouts, evals on 6: 7 a step"),
     "nft_group_noise": ("recipes/configs/tiny/nft_lora.yaml", ["nft.group_noise=true"],
                         "DiffusionNFT, a group's images noised with one eps at a point (common random numbers)"),
     "awm_candidates": ("recipes/configs/tiny/awm_lora.yaml", ["awm.group_noise=false", *(

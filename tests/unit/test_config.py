@@ -114,6 +114,16 @@ def test_bad_settings_name_the_setting(overrides, needle):
     assert "\n" not in str(e.value)
 
 
+def test_short_rollouts_leave_awm_fewer_noise_levels():
+    """AWM draws its levels from the rollout's schedule (points 1 .. int(0.9 n) - 1): 3 steps leave one, sigma 0.857,
+    which time_to_reward's 3-step strategies train; asking for the preset's 2 stops before any work."""
+    preset = ROOT / "recipes/configs/tiny/awm_lora.yaml"
+    derive_layout(load_config(preset, ["sampling.num_steps=3", "sampling.eval_num_steps=6", "awm.timesteps=1"]), 1)
+    with pytest.raises(ConfigError) as e:
+        derive_layout(load_config(preset, ["sampling.num_steps=3", "sampling.eval_num_steps=6"]), 1)
+    assert str(e.value) == "awm.timesteps: 2; use 1 .. 1, the schedule points 1..1 of 3 it draws from"
+
+
 def test_impossible_batch_arithmetic():
     cfg = load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml", ["batch.prompts_per_step=3"])
     with pytest.raises(ConfigError, match="do not split over 2 processes|micro_batch_size"):

@@ -19,6 +19,7 @@ def test_cost_model_of_the_presets():
     assert cost["awm_t1_no_anchor"] == 6 + 1 * 3  # no anchor: no forward of the lagging policy
     assert cost["awm_t1_no_anchor_4"] == 4 + 1 * 3  # rollouts on 4 steps (the evals on 6 are not training compute)
     assert cost["awm_t1_no_anchor_3"] == 3 + 1 * 3
+    assert cost["awm_t1_3"] == 3 + 1 * 4  # the anchor's forward of the lagging policy is back
     # BranchGRPO, trees of 4 splitting at steps 0 and 2: 1+2+2+4+4+4 rollout calls and 3 x (1+2+2+4+4) a tree
     assert cost["branchgrpo"] == (17 + 3 * 13) / 4
     cfg = ttr.strategy_config("awm", [])
