@@ -54,13 +54,13 @@ def test_tiny_preset_on_8_and_64_processes():
 
 def test_tiny_presets_differ_from_flux1_dev_only_in_values():
     """Tiny presets mirror the real ones key for key (resolved), so a user moving up changes values, not structure;
-    only the training prompts, which the FLUX.1-dev ones leave to the user."""
+    only the training and held-out prompts, which the FLUX.1-dev ones leave to the user."""
     from grpo.schema import read_preset
 
     for kind in ("lora", "full"):
         tiny = read_preset(ROOT / f"recipes/configs/tiny/grpo_{kind}.yaml")
         dev = read_preset(ROOT / f"recipes/configs/flux1_dev/grpo_{kind}.yaml")
-        assert _yaml_keys(tiny) - {"data.train_prompts"} == _yaml_keys(dev)
+        assert _yaml_keys(tiny) - {"data.train_prompts", "data.eval_prompts"} == _yaml_keys(dev)
 
 
 def test_update_blocks_are_world_size_invariant():
