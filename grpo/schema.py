@@ -339,7 +339,8 @@ def read_preset(path: Path, swap: dict[Path, Path] | None = None) -> dict[str, A
     layers: list[dict[str, Any]] = []
     merged: set[Path] = set()  # the files merged so far, resolved
 
-    def visit(current: Path, named_by: Path | None, named_as: Any, chain: list[tuple[Path, str]]) -> None:
+    def visit(current: Path, named_by: Path | None, named_as: str | None, chain: list[tuple[Path, str]]) -> None:
+        """Merge `current`'s bases, then `current`; `chain`: the files (resolved, as named) whose extends led here."""
         current = swap.get(current.resolve(), current)
         if not current.is_file():
             if named_by is None:
@@ -363,8 +364,7 @@ def read_preset(path: Path, swap: dict[Path, Path] | None = None) -> dict[str, A
             raise ConfigError(f"config: {current} (extended by {named_by}) must be a mapping of settings at the top "
                               "level; point extends at a preset")
         bases = loaded.pop("extends", None)
-        entries = bases if isinstance(bases, list) and bases else [bases]
-        for base in ([] if bases is None else entries):
+        for base in [] if bases is None else bases if isinstance(bases, list) and bases else [bases]:
             if not isinstance(base, str) or not base.strip():
                 raise ConfigError(f"config: {current}: extends: expected the path of a preset relative to the file, "
                                   f"or a list of them (e.g. extends: [base.yaml, ../objectives/grpo.yaml]), got "
