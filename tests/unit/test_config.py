@@ -13,9 +13,9 @@ from grpo.inputs import load_ds_config
 from grpo.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
-PRESETS = sorted(p for p in (ROOT / "recipes" / "configs").rglob("*.yaml")  # the runnable ones: model bases, shared.yaml
-                 if p.name not in ("base.yaml", "shared.yaml") and p.parent.name != "objectives")  # and objective
-# files name no objective or no model, not runnable on their own
+# The runnable presets: model bases, shared.yaml and objective files name no objective or no model
+PRESETS = sorted(p for p in (ROOT / "recipes" / "configs").rglob("*.yaml")
+                 if p.name not in ("base.yaml", "shared.yaml") and p.parent.name != "objectives")
 
 
 def _tiny(preset: Path) -> bool:
@@ -178,7 +178,7 @@ def test_rollout_micro_batch_must_be_a_dividing_multiple_of_the_update_micro_bat
 
 
 def test_a_preset_missing_a_required_key_names_it_and_its_help(tmp_path):
-    shutil.copytree(ROOT / "recipes/configs", tmp_path / "configs")  # the preset's extends reach shared.yaml, objectives/
+    shutil.copytree(ROOT / "recipes/configs", tmp_path / "configs")  # its extends reach shared.yaml, objectives/
     base = tmp_path / "configs/tiny/base.yaml"
     base.write_text(base.read_text().replace("  eta: 0.7", "  # eta removed"))
     preset = tmp_path / "configs/tiny/p.yaml"

@@ -114,7 +114,8 @@ def _files(path: Path) -> list[Path]:
     """Every file a preset's extends reach (itself included), resolved."""
     raw = read_yaml(path)
     bases = raw.get("extends") or []
-    return [path.resolve(), *(f for b in ([bases] if isinstance(bases, str) else bases) for f in _files(path.parent / b))]
+    entries = [bases] if isinstance(bases, str) else bases
+    return [path.resolve(), *(f for b in entries for f in _files(path.parent / b))]
 
 
 # ---------------------------------------------------------------------------------------------------- the oracle
@@ -274,7 +275,8 @@ def test_swap_resolves_a_preset_on_another_model_base():
     swap = {CONFIGS / "tiny/base.yaml": CONFIGS / "tiny_flux2/base.yaml"}
     laid = read_preset(CONFIGS / "tiny/grpo_lora.yaml", swap=swap)
     assert laid["model"]["path"] == "assets/tiny-flux2"
-    assert merge(laid, {"output_dir": "runs/tiny_flux2_grpo_lora"}) == read_preset(CONFIGS / "tiny_flux2/grpo_lora.yaml")
+    flux2 = read_preset(CONFIGS / "tiny_flux2/grpo_lora.yaml")
+    assert merge(laid, {"output_dir": "runs/tiny_flux2_grpo_lora"}) == flux2
     mix = read_preset(CONFIGS / "tiny/mixgrpo_lora.yaml", swap=swap)  # two files up the chain: swapped as well
     assert mix["model"]["path"] == "assets/tiny-flux2" and mix["sampling"]["window"]["size"] == 2
 
