@@ -10,8 +10,8 @@ held-out reward (eta = 0, the same fixed noise for every run, so the comparison 
     python benchmarks/time_to_reward.py [--budget-steps 40] [--only NAME ...] [--seeds 42 ...] [--eval-seeds N]
                                         [--family flux1|flux2] [--out runs/time_to_reward] [--reuse] [--smoke]
 
-`--family flux2` runs the same presets on the tiny FLUX.2 [klein] world (assets/tiny-flux2) with FLUX.2's overlay
-(recipes/configs/tiny_flux2/base.yaml's own settings) laid over each.
+`--family flux2` runs the same presets on the tiny FLUX.2 [klein] world (assets/tiny-flux2): each resolved with
+recipes/configs/tiny_flux2/base.yaml, the tiny FLUX.2 model base, in place of tiny/base.yaml.
 
 With several `--seeds` every strategy trains once per seed (each seed's evals are paired across strategies: the eval
 noise is a function of the seed) and the curves are averaged over the seeds before the headline is read; the gain each
@@ -36,14 +36,17 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from grpo import replay  # noqa: E402
 from grpo.config import load_config  # noqa: E402
 from grpo.rollout_plan import RolloutPlan  # noqa: E402
-from grpo.schema import own_overrides  # noqa: E402
+from grpo.schema import read_preset  # noqa: E402
 from tools.launch import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +58,7 @@ STRATEGIES: dict[str, tuple[str, list[str], str]] = {
     "dancegrpo": ("recipes/configs/tiny/grpo_lora.yaml", [], "every step SDE, every transition trained (DanceGRPO)"),
     "mixgrpo": ("recipes/configs/tiny/mixgrpo_lora.yaml", [], "Flow-SDE window of 2 sliding every 4 steps (MixGRPO)"),
     "mixgrpo_flash": ("recipes/configs/tiny/mixgrpo_flash_lora.yaml", [], "MixGRPO + DPM-Solver++(2M) tail (Flash)"),
-    "flash_frozen": ("recipes/configs/tiny/mixgrpo_flash_frozen_lora.yaml", [],
+    "flash_frozen": ("recipes/configs/experimental/tiny_mixgrpo_flash_frozen_lora.yaml", [],
                      "Flow-SDE at step 0 only + DPM-Solver++(2M) tail (Flash*)"),
     "flowgrpo_fast": ("recipes/configs/tiny/flowgrpo_fast_lora.yaml", [], "CPS window of 2, random start (Fast)"),
     "flashgrpo": ("recipes/configs/tiny/flashgrpo_lora.yaml", [],
@@ -67,7 +70,7 @@ STRATEGIES: dict[str, tuple[str, list[str], str]] = {
     # AWM as its source (one noise per image); the preset shares a group's (awm_group_noise)
     "awm": ("recipes/configs/tiny/awm_lora.yaml", ["awm.group_noise=false"],
             "AWM: ODE rollouts, advantage-weighted matching"),
-    "grpo_candidates": ("recipes/configs/tiny/grpo_candidates_lora.yaml", [],
+    "grpo_candidates": ("recipes/configs/experimental/tiny_grpo_candidates_lora.yaml", [],
                         "DanceGRPO on the best 2 + worst 2 of 8 candidates, previewed in 3 ODE steps (Sol-RL)"),
     "nft_candidates": ("recipes/configs/tiny/nft_candidates_lora.yaml", [],
                        "DiffusionNFT on the best 2 + worst 2 of 8 candidates, previewed in 3 ODE steps (Sol-RL)"),
@@ -103,21 +106,36 @@ STRATEGIES: dict[str, tuple[str, list[str], str]] = {
         f"sampling.candidates.{k}={v}"
         for k, v in (("pool", 8), ("keep_top", 2), ("keep_bottom", 2), ("preview_steps", 3)))],
                        "AWM on the best 2 + worst 2 of 8 candidates, previewed in 3 ODE steps (Sol-RL)"),
-    "opgrpo": ("recipes/configs/tiny/opgrpo_lora.yaml", [],
+    "opgrpo": ("recipes/configs/experimental/tiny_opgrpo_lora.yaml", [],
                "DanceGRPO + a replay block of past best trajectories a step, importance-weighted (OP-GRPO)"),
 }
 
-# What a family changes in the tiny presets (the FLUX.1 tiny world's presets are the strategies' own).
-FAMILIES = {"flux1": [], "flux2": own_overrides(ROOT / "recipes/configs/tiny_flux2/base.yaml")}
+# The model base each family's runs resolve the strategy presets on, in place of the tiny FLUX.1 world's (their own:
+# None): the same objective, strategy and tiny-world settings on another model (grpo.schema.read_preset's swap).
+FAMILIES = {"flux1": None, "flux2": "recipes/configs/tiny_flux2/base.yaml"}
+TINY_BASE = "recipes/configs/tiny/base.yaml"
 
 SMOKE = ["batch.prompts_per_step=4", "sampling.group_size=2", "batch.micro_batch_size=4", "logging.eval_seeds=1",
          "logging.tensorboard=false", "logging.sample_every=0", "logging.progress=false"]
 
 
-def strategy_config(name: str, extra: list[str]):
-    """The settings a strategy's runs use: its preset, its own overrides, then `extra`."""
-    preset, own, _ = STRATEGIES[name]
-    return load_config(ROOT / preset, [*own, *extra])
+def preset_file(name: str, family: str, folder: Path) -> str:
+    """The preset a strategy's runs use on `family`: its own file, or that preset resolved on the family's model base
+    and written into `folder` (one file the recipe reads)."""
+    preset = STRATEGIES[name][0]
+    if FAMILIES[family] is None:
+        return preset
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"{name}_{family}.yaml"
+    out.write_text(yaml.safe_dump(read_preset(ROOT / preset, swap={ROOT / TINY_BASE: ROOT / FAMILIES[family]})))
+    return str(out)
+
+
+def strategy_config(name: str, extra: list[str], family: str = "flux1"):
+    """The settings a strategy's runs use: its preset (on the family's model base), its own overrides, then `extra`."""
+    own = STRATEGIES[name][1]
+    with tempfile.TemporaryDirectory() as tmp:
+        return load_config(preset_file(name, family, Path(tmp)), [*own, *extra])
 
 
 def step_cost(cfg, step: int) -> float:
@@ -145,11 +163,13 @@ def steps_within(cfg, budget: float) -> int:
     return max(n, 1)
 
 
-def run(name: str, overrides: list[str], steps: int, eval_every: int, run_dir: Path, reuse: bool) -> list[dict]:
+def run(name: str, family: str, overrides: list[str], steps: int, eval_every: int, run_dir: Path,
+        reuse: bool) -> list[dict]:
     metrics = run_dir / "metrics.jsonl"
     if reuse and (run_dir / "final").exists() and metrics.exists():
         return [json.loads(line) for line in metrics.read_text().splitlines()]
-    preset, own, _ = STRATEGIES[name]
+    own = STRATEGIES[name][1]
+    preset = preset_file(name, family, run_dir.parent / "presets")
     # The trained weights are read, not an EMA (awm_lora.yaml's default run keeps one): an average lags the curve
     # the benchmark times, and every strategy is compared on the same footing.
     cmd = ["bash", str(ROOT / "launch" / "run.sh"), preset, *own, *overrides, f"output_dir={run_dir}",
@@ -235,7 +255,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true",
                         help="2 baseline steps on 8 images a step, baseline and MixGRPO-Flash only (tests the script)")
     args = parser.parse_args()
-    extra = [*FAMILIES[args.family], *(SMOKE if args.smoke else [])]
+    extra = [*(SMOKE if args.smoke else [])]
     if args.eval_seeds is not None:
         extra = [*extra, f"logging.eval_seeds={args.eval_seeds}"]
     if args.smoke:
@@ -245,7 +265,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     names = ["dancegrpo"] + [n for n in args.only if n != "dancegrpo"]
-    cfgs = {n: strategy_config(n, extra) for n in names}
+    cfgs = {n: strategy_config(n, extra, args.family) for n in names}
     budget = sum(step_cost(cfgs["dancegrpo"], k) for k in range(budget_steps))
     curves, seed_curves = {}, {}
     print(f"budget: {budget:.0f} forward-equivalents per image ({budget_steps} DanceGRPO steps), "
@@ -256,7 +276,8 @@ def main() -> None:
         for seed in args.seeds:
             # The first seed keeps the strategy's own folder name, so --reuse finds one-seed runs of before.
             run_dir = out / (n if seed == args.seeds[0] else f"{n}_seed{seed}")
-            rows = run(n, [*extra, f"seed={seed}"], steps, max(1, math.ceil(steps / args.evals)), run_dir, args.reuse)
+            rows = run(n, args.family, [*extra, f"seed={seed}"], steps, max(1, math.ceil(steps / args.evals)),
+                       run_dir, args.reuse)
             per_seed.append(curve(rows, cfgs[n]))
             wall += sum(r.get("step_time_s", 0.0) for r in rows)
         curves[n], seed_curves[n] = mean_curve(per_seed), per_seed

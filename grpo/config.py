@@ -79,8 +79,12 @@ class DataConfig:
                                       "docs/operations.md) (the presets of real models name none: add "
                                       "data.train_prompts=PATH to the command)",
                                  path=True)
+    # Required, no default, as train_prompts: a default file would be the tiny world's, and a real run would report its
+    # reward on "a red square" every eval.
     eval_prompts: str | None = setting(resume=FREE, path=True,
-                                       help="held-out prompt file or dataset (as train_prompts); null = no eval")
+                                       help="held-out prompts: a dataset or prompt file, or null for no held-out eval; "
+                                            "add data.eval_prompts=PATH (or null) to the command (the presets of real "
+                                            "models name none)")
     cache_dir: str = setting(resume=FREE, path=True,
                              help="precomputed prompt embeddings (safetensors), keyed by model + prompts")
     max_sequence_length: int = setting(help="text-encoder tokens per prompt (T5 for FLUX.1, Qwen3/Mistral for FLUX.2); "

@@ -318,30 +318,43 @@ def merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def read_preset(path: Path) -> dict[str, Any]:
-    """The settings of the preset in `path` with its `extends:` chain resolved: `extends: base.yaml` (a path relative
-    to the file) names the preset this one is deep-merged over (:func:`merge`), and that one may extend another.
+def read_preset(path: Path, swap: dict[Path, Path] | None = None) -> dict[str, Any]:
+    """The settings of the preset in `path` with its `extends:` resolved, deep-merged by :func:`merge`.
 
-    Each file is read by :func:`read_yaml` (duplicate keys refused per file). A cycle, a missing or non-mapping base,
-    or an `extends` that is not a path is a one-line ConfigError naming the file and the fix.
+    `extends:` names one file (`extends: base.yaml`) or an ordered list (`extends: [base.yaml,
+    ../objectives/grpo.yaml]`), each a path relative to the file, each of which may extend others. The files are
+    merged depth-first: a list's first entry (with what it extends) first, later ones over it, the file itself last.
+    A file reached twice through different entries (two objective files over one shared.yaml, a diamond) is merged
+    once, where it is first reached: merged again it would undo what the entries between set over it.
+
+    `swap` ({file: replacement}, compared resolved): wherever the chain reaches a file of `swap`, its replacement is
+    read instead, so that a preset is resolved on another model base (tiny/mixgrpo_lora.yaml with tiny_flux2/base.yaml
+    for tiny/base.yaml is MixGRPO on the tiny FLUX.2 world).
+
+    Each file is read by :func:`read_yaml` (duplicate keys refused per file). A cycle (a file reached again along one
+    chain of extends), a missing or non-mapping file, or an `extends` entry that is not a path is a one-line
+    ConfigError naming the file and the fix.
     """
-    chain: list[Path] = []  # the files read so far, resolved (a cycle is the same file twice)
-    names: list[str] = []   # the same, as named
+    swap = {Path(k).resolve(): Path(v) for k, v in (swap or {}).items()}
     layers: list[dict[str, Any]] = []
-    current, named_by, base = Path(path), None, None
-    while True:
+    merged: set[Path] = set()  # the files merged so far, resolved
+
+    def visit(current: Path, named_by: Path | None, named_as: str | None, chain: list[tuple[Path, str]]) -> None:
+        """Merge `current`'s bases, then `current`; `chain`: the files (resolved, as named) whose extends led here."""
+        current = swap.get(current.resolve(), current)
         if not current.is_file():
             if named_by is None:
                 raise ConfigError(f"config: {current} does not exist; pass a preset such as "
                                   "recipes/configs/tiny/grpo_lora.yaml")
-            raise ConfigError(f"config: {named_by}: extends: {base} does not exist ({current}); give the path of "
+            raise ConfigError(f"config: {named_by}: extends: {named_as} does not exist ({current}); give the path of "
                               f"a preset relative to {named_by.parent}")
-        if current.resolve() in chain:
-            loop = " -> ".join([*names, str(current)])
+        resolved = current.resolve()
+        if any(resolved == seen for seen, _ in chain):
+            loop = " -> ".join([*(name for _, name in chain), str(current)])
             raise ConfigError(f"config: {named_by}: extends makes a cycle ({loop}); remove the extends that closes "
                               "the loop")
-        chain.append(current.resolve())
-        names.append(str(current))
+        if resolved in merged:
+            return
         loaded = read_yaml(current)
         if loaded is None:
             loaded = {}
@@ -350,33 +363,21 @@ def read_preset(path: Path) -> dict[str, Any]:
                 raise ConfigError(f"config: {current} must be a mapping of settings at the top level")
             raise ConfigError(f"config: {current} (extended by {named_by}) must be a mapping of settings at the top "
                               "level; point extends at a preset")
-        base = loaded.pop("extends", None)
+        bases = loaded.pop("extends", None)
+        for base in [] if bases is None else bases if isinstance(bases, list) and bases else [bases]:
+            if not isinstance(base, str) or not base.strip():
+                raise ConfigError(f"config: {current}: extends: expected the path of a preset relative to the file, "
+                                  f"or a list of them (e.g. extends: [base.yaml, ../objectives/grpo.yaml]), got "
+                                  f"{base!r}")
+            visit(current.parent / base, current, base, [*chain, (resolved, str(current))])
+        merged.add(resolved)
         layers.append(loaded)
-        if base is None:
-            break
-        if not isinstance(base, str) or not base.strip():
-            raise ConfigError(f"config: {current}: extends: expected the path of a preset relative to the file "
-                              f"(e.g. extends: base.yaml), got {base!r}")
-        current, named_by = current.parent / base, current
+
+    visit(Path(path), None, None, [])
     raw: dict[str, Any] = {}
-    for layer in reversed(layers):  # the farthest base first, the file itself last
+    for layer in layers:  # depth-first: the farthest base first, the file itself last
         raw = merge(raw, layer)
     return raw
-
-
-def own_overrides(path: Path) -> list[str]:
-    """The settings preset `path` sets itself (not those of the preset it extends) as `section.key=value` overrides:
-    a family's overlay (recipes/configs/tiny_flux2/base.yaml: what FLUX.2 changes) laid over another family's preset,
-    as benchmarks/time_to_reward.py --family and the FLUX.2 strategy tests do."""
-    own = read_yaml(Path(path)) or {}
-    own.pop("extends", None)
-
-    def flat(node: dict[str, Any], prefix: str) -> list[str]:
-        return [item for key, value in node.items()
-                for item in (flat(value, f"{prefix}{key}.") if isinstance(value, dict)
-                             else [f"{prefix}{key}={_yaml_scalar(value)}"])]
-
-    return flat(own, "")
 
 
 def set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:

@@ -2,7 +2,8 @@
 # Run the GRPO recipe on this machine: every local NPU or GPU, or 2 CPU processes where there are none.
 #
 #   bash launch/run.sh CONFIG [key=value ...]
-#   NPROC=4 bash launch/run.sh recipes/configs/flux1_dev/grpo_lora.yaml data.train_prompts=my.txt output_dir=runs/exp1
+#   NPROC=4 bash launch/run.sh recipes/configs/flux1_dev/grpo_lora.yaml data.train_prompts=my.txt \
+#     data.eval_prompts=my_heldout.txt output_dir=runs/exp1
 #   RECIPE=my_recipe.py bash launch/run.sh my_config.yaml
 #
 # Environment: NPROC (process count), RECIPE (recipe script), MASTER_PORT (default: a free port), GRACE_S (seconds the

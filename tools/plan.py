@@ -1,8 +1,8 @@
 """Per-device memory planner for the GRPO recipe under DeepSpeed ZeRO-3: does a config fit, and what to change if not.
 
     python -m tools.plan CONFIG --devices N --device-memory 64GB [key=value ...]
-    python -m tools.plan recipes/configs/flux1_dev/grpo_full.yaml data.train_prompts=my_prompts.txt --devices 8 \
-        --device-memory 64GB
+    python -m tools.plan recipes/configs/flux1_dev/grpo_full.yaml data.train_prompts=my_prompts.txt \
+        data.eval_prompts=null --devices 8 --device-memory 64GB
 
 Nothing is loaded or downloaded: the transformer and the VAE are built on the meta device from their config.json
 (from model.path, the local Hugging Face cache, or flux_configs.json next to this file for FLUX.1-dev/schnell,
@@ -633,7 +633,8 @@ def advise(config: str | None, overrides: list[str], devices: int, memory: int, 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", help="recipe YAML, e.g. recipes/configs/flux1_dev/grpo_full.yaml (with "
-                                       "data.train_prompts=PATH: the FLUX.1-dev presets name no prompt file)")
+                                       "data.train_prompts=PATH data.eval_prompts=PATH or null: the presets of real "
+                                       "models name no prompt file)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, as for the recipe")
     parser.add_argument("--devices", type=int, required=True, help="number of processes (devices), N")
     parser.add_argument("--device-memory", required=True, help="memory of one device, e.g. 64GB")

@@ -1,7 +1,9 @@
 """Every rollout strategy and AWM on the tiny FLUX.2 [klein] world (assets/tiny-flux2) under ZeRO-3: the tiny FLUX.1
 strategy presets (MixGRPO's windows, Flow-GRPO-Fast's CPS with random windows, GRPO-Guard's RatioNorm, BranchGRPO's
-trees, Flash-GRPO's step per group, OP-GRPO's replay, AWM) with the FLUX.2 overlay of recipes/configs/tiny_flux2/base.yaml on top. For each: the first-pass ratio is
-exactly 1 (grpo), 1 and 2 processes train the same, and a run resumed from step 1 ends where the uninterrupted one does.
+trees, Flash-GRPO's step per group, OP-GRPO's replay, AWM) resolved on the tiny FLUX.2 model base
+(recipes/configs/tiny_flux2/base.yaml in place of tiny/base.yaml: grpo.schema.read_preset's swap). For each: the
+first-pass ratio is exactly 1 (grpo), 1 and 2 processes train the same, and a run resumed from step 1 ends where the
+uninterrupted one does.
 
 (grpo with DanceGRPO's SDE, the full fine-tune, DiffusionNFT and the exports: tests/recipe/test_flux2_runs.py.)
 Three 2-step runs a strategy, about 90 s each on 2 cores: with -m slow (CI time).
@@ -10,24 +12,26 @@ Three 2-step runs a strategy, about 90 s each on 2 cores: with -m slow (CI time)
 from __future__ import annotations
 
 import pytest
+import yaml
 
-from grpo.schema import own_overrides
+from grpo.schema import read_preset
 from tests import ROOT, TINY_FLUX2
 from tests.recipe.launch import SMALL, assert_resumed_step_exact, assert_two_steps_agree, run_recipe, train_rows
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (TINY_FLUX2 / "model_index.json").exists(), reason="tiny FLUX.2 not built")]
 STRATEGIES = {
-    "windows": ("mixgrpo_lora", []),
-    "cps": ("flowgrpo_fast_lora", []),
-    "guard": ("grpo_lora", ["sampling.sde=flow", "grpo.ratio_norm=true"]),
-    "trees": ("branchgrpo_lora", []),
-    "flash": ("flashgrpo_lora", []),  # one SDE step per group, rescaled
-    "awm": ("awm_lora", ["awm.lag_rate=0.3"]),  # a lagging anchor that really lags, so its resume is tested
+    "windows": ("tiny/mixgrpo_lora", []),
+    "cps": ("tiny/flowgrpo_fast_lora", []),
+    "guard": ("tiny/grpo_lora", ["sampling.sde=flow", "grpo.ratio_norm=true"]),
+    "trees": ("tiny/branchgrpo_lora", []),
+    "flash": ("tiny/flashgrpo_lora", []),  # one SDE step per group, rescaled
+    "awm": ("tiny/awm_lora", ["awm.lag_rate=0.3"]),  # a lagging anchor that really lags, so its resume is tested
     # OP-GRPO's replay: blocks of 2 of the 8 images, so step 1 replays 2 of step 0's entries (and the resume from
     # step 1 restores a non-empty buffer)
-    "replay": ("opgrpo_lora", ["batch.micro_batch_size=1", "batch.updates_per_step=4", "grpo.replay.size=4",
-                               "grpo.replay.per_step=2", "grpo.replay.truncate=2"]),
+    "replay": ("experimental/tiny_opgrpo_lora", ["batch.micro_batch_size=1", "batch.updates_per_step=4",
+                                                 "grpo.replay.size=4", "grpo.replay.per_step=2",
+                                                 "grpo.replay.truncate=2"]),
 }
 
 
@@ -35,7 +39,7 @@ def _run(tmp, name: str, config: str, nproc: int, extra: list[str]) -> dict:
     out = tmp / name
     # Every transition trained (a window trains all its steps; the presets' own timestep_fraction is 1.0).
     small = [o for o in SMALL if not o.startswith("grpo.timestep_fraction=")]
-    overrides = [*small, *own_overrides(ROOT / "recipes/configs/tiny_flux2/base.yaml"), f"model.path={TINY_FLUX2}",
+    overrides = [*small, f"model.path={TINY_FLUX2}",
                  f"output_dir={out}", f"data.cache_dir={tmp / 'cache'}",
                  "data.eval_prompts=null", "logging.sample_every=0", "logging.tensorboard=false", "max_steps=2",
                  "checkpoint.every=1", "checkpoint.keep=2", "optim.lr=1e-2", *extra]
@@ -48,7 +52,12 @@ def _run(tmp, name: str, config: str, nproc: int, extra: list[str]) -> dict:
 def runs(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     preset, extra = STRATEGIES[request.param]
-    config = f"recipes/configs/tiny/{preset}.yaml"
+    # The FLUX.1 strategy preset on the tiny FLUX.2 model base, resolved into one file the recipe reads
+    config = tmp / "preset.yaml"
+    configs = ROOT / "recipes/configs"
+    config.write_text(yaml.safe_dump(read_preset(configs / f"{preset}.yaml",
+                                                 swap={configs / "tiny/base.yaml": configs / "tiny_flux2/base.yaml"})))
+    config = str(config)
     two = _run(tmp, "two", config, 2, extra)
     return {
         "strategy": request.param,

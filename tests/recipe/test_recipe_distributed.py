@@ -95,7 +95,7 @@ def test_same_step_on_one_and_two_processes(lora_runs, full_kl_runs, which):
 # a group, so each group's window is drawn once and read by two micro-batches.
 PRESETS = {
     "mixgrpo_flash": ("recipes/configs/tiny/mixgrpo_flash_lora.yaml", ["grpo.ratio_norm=true"], 3 + 3 * 2),
-    "flash_frozen": ("recipes/configs/tiny/mixgrpo_flash_frozen_lora.yaml", [], 1 + 2 + 3 * 1),
+    "flash_frozen": ("recipes/configs/experimental/tiny_mixgrpo_flash_frozen_lora.yaml", [], 1 + 2 + 3 * 1),
     "flowgrpo_fast": ("recipes/configs/tiny/flowgrpo_fast_lora.yaml", ["batch.updates_per_step=2"], 6 + 3 * 2),
     "branchgrpo": ("recipes/configs/tiny/branchgrpo_lora.yaml", ["grpo.kl_coef=0.1"], (17 + 13 * (3 + 1)) / 4),
     "nft": ("recipes/configs/tiny/nft_lora.yaml", ["nft.kl_coef=1e-4"], 6 + 2 * (3 + 1 + 1)),
@@ -104,7 +104,7 @@ PRESETS = {
     "awm_no_anchor": ("recipes/configs/tiny/awm_lora.yaml", ["awm.anchor_coef=0", "awm.timesteps=1"], 6 + 1 * 3),
     "flashgrpo": ("recipes/configs/tiny/flashgrpo_lora.yaml", ["grpo.kl_coef=0.1", "batch.micro_batch_size=2"],
                   6 + 1 * (3 + 1)),
-    "grpo_candidates": ("recipes/configs/tiny/grpo_candidates_lora.yaml", [], 6 + 6 + 5 * 3),
+    "grpo_candidates": ("recipes/configs/experimental/tiny_grpo_candidates_lora.yaml", [], 6 + 6 + 5 * 3),
     "nft_candidates": ("recipes/configs/tiny/nft_candidates_lora.yaml", ["nft.group_noise=true"], 6 + 6 + 2 * (3 + 1)),
 }
 # The same code paths as another preset's: with -m slow (CI time).

@@ -20,7 +20,7 @@ from grpo.checkpoint import rank_file
 from tests.recipe.launch import assert_resumed_step_exact, assert_two_steps_agree
 from tests.recipe.test_candidates_runs import _run
 
-OPGRPO = "recipes/configs/tiny/opgrpo_lora.yaml"
+OPGRPO = "recipes/configs/experimental/tiny_opgrpo_lora.yaml"
 # SMALL's 8 images and 4 steps (K = 1 of 3 trainable transitions): update blocks of 2, a buffer of 4, 2 entries a
 # step, transitions 0 and 1 weighted and replayed; a KL to the base model, so replayed chunks get their reference
 # means too; no held-out eval (not what is tested, and it costs the run ~15 s)

@@ -13,7 +13,8 @@ from grpo.rollout_plan import RolloutPlan
 from tests import ROOT, TINY
 
 TINY_PRESETS = ROOT / "recipes" / "configs" / "tiny"
-GRPO, NFT = TINY_PRESETS / "grpo_candidates_lora.yaml", TINY_PRESETS / "nft_candidates_lora.yaml"
+GRPO = ROOT / "recipes" / "configs" / "experimental" / "tiny_grpo_candidates_lora.yaml"
+NFT = TINY_PRESETS / "nft_candidates_lora.yaml"
 
 
 def sol_rl_best_worst(rewards: torch.Tensor, target_count: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Presets, overrides, batch arithmetic and DeepSpeed config filling."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,13 +13,18 @@ from grpo.inputs import load_ds_config
 from grpo.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
-PRESETS = sorted(p for p in (ROOT / "recipes" / "configs").rglob("*.yaml") if p.name != "base.yaml")  # bases: no
-# objective, not runnable on their own
+# The runnable presets: model bases, shared.yaml and objective files name no objective or no model
+PRESETS = sorted(p for p in (ROOT / "recipes" / "configs").rglob("*.yaml")
+                 if p.name not in ("base.yaml", "shared.yaml") and p.parent.name != "objectives")
+
+
+def _tiny(preset: Path) -> bool:
+    return preset.parent.name.startswith("tiny") or preset.name.startswith("tiny")  # experimental/tiny_*.yaml too
 
 
 def _prompts(preset: Path) -> list[str]:
-    """The presets of real models name no training prompts (issue 29): give the tiny world's."""
-    return [] if preset.parent.name.startswith("tiny") else ["data.train_prompts=assets/prompts/tiny_train.txt"]
+    """The presets of real models name no prompts: give the tiny world's training file and no held-out eval."""
+    return [] if _tiny(preset) else ["data.train_prompts=assets/prompts/tiny_train.txt", "data.eval_prompts=null"]
 DS_CONFIGS = sorted((ROOT / "ds_configs").glob("*.json"))
 
 
@@ -31,8 +37,8 @@ def test_presets_exist():
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.parent.name + "/" + p.name)
 def test_every_preset_loads_and_splits(preset):
     cfg = load_config(preset, _prompts(preset))
-    worlds = (1, 2) if preset.parent.name.startswith("tiny") else (1, 2, 8, 64)
-    if cfg.sampling.branch is not None and not preset.parent.name.startswith("tiny"):  # whole trees of 16 a process
+    worlds = (1, 2) if _tiny(preset) else (1, 2, 8, 64)
+    if cfg.sampling.branch is not None and not _tiny(preset):  # whole trees of 16 a process
         worlds = (1, 2, 8, 16)
         with pytest.raises(ConfigError, match="batch.micro_batch_size"):
             derive_layout(cfg, 64)
@@ -54,13 +60,13 @@ def test_tiny_preset_on_8_and_64_processes():
 
 def test_tiny_presets_differ_from_flux1_dev_only_in_values():
     """Tiny presets mirror the real ones key for key (resolved), so a user moving up changes values, not structure;
-    only the training prompts, which the FLUX.1-dev ones leave to the user."""
+    only the training and held-out prompts, which the FLUX.1-dev ones leave to the user."""
     from grpo.schema import read_preset
 
     for kind in ("lora", "full"):
         tiny = read_preset(ROOT / f"recipes/configs/tiny/grpo_{kind}.yaml")
         dev = read_preset(ROOT / f"recipes/configs/flux1_dev/grpo_{kind}.yaml")
-        assert _yaml_keys(tiny) - {"data.train_prompts"} == _yaml_keys(dev)
+        assert _yaml_keys(tiny) - {"data.train_prompts", "data.eval_prompts"} == _yaml_keys(dev)
 
 
 def test_update_blocks_are_world_size_invariant():
@@ -172,10 +178,11 @@ def test_rollout_micro_batch_must_be_a_dividing_multiple_of_the_update_micro_bat
 
 
 def test_a_preset_missing_a_required_key_names_it_and_its_help(tmp_path):
-    text = (ROOT / "recipes/configs/tiny/base.yaml").read_text().replace("  eta: 0.7", "  # eta removed")
-    (tmp_path / "base.yaml").write_text(text)
-    preset = tmp_path / "p.yaml"
-    preset.write_text((ROOT / "recipes/configs/tiny/grpo_lora.yaml").read_text())  # extends: base.yaml
+    shutil.copytree(ROOT / "recipes/configs", tmp_path / "configs")  # its extends reach shared.yaml, objectives/
+    base = tmp_path / "configs/tiny/base.yaml"
+    base.write_text(base.read_text().replace("  eta: 0.7", "  # eta removed"))
+    preset = tmp_path / "configs/tiny/p.yaml"
+    preset.write_text((ROOT / "recipes/configs/tiny/grpo_lora.yaml").read_text())  # extends: [base.yaml, ...]
     with pytest.raises(ConfigError) as e:
         load_config(preset)
     assert str(e.value).startswith(f"sampling.eta: missing from {preset}; add it (SDE noise")
@@ -329,8 +336,8 @@ def test_every_preset_lists_every_setting(preset):
     from grpo.schema import read_preset
 
     raw = read_preset(preset)  # the extends chain merged: what the run uses
-    if not preset.parent.name.startswith("tiny"):
-        raw["data"]["train_prompts"] = "given on the command line"
+    if not _tiny(preset):
+        raw["data"].update(train_prompts="given on the command line", eval_prompts="given on the command line")
     written = _yaml_keys(raw)
     nulls = {k for k in written if _lookup(raw, k) is None}
     unused = set()  # keys the preset cannot rely on: profiling's details while it is off, the other window placement

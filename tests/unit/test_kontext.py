@@ -249,7 +249,7 @@ def test_the_planner_counts_the_reference_tokens():
     from tools.plan import model_family, model_configs, plan
 
     kontext = load_config(ROOT / "recipes/configs/flux1_kontext_dev/grpo_lora.yaml",
-                          ["data.train_prompts=assets/prompts/tiny_edit_train.jsonl"])
+                          ["data.train_prompts=assets/prompts/tiny_edit_train.jsonl", "data.eval_prompts=null"])
     t, v = model_configs(kontext.model.path)
     assert model_family(kontext.model.path, t) is FLUX1_KONTEXT
     assert model_family("black-forest-labs/FLUX.1-dev", t) is FLUX1 and model_family(str(TINY_KONTEXT), t) is \
@@ -269,19 +269,20 @@ def test_the_planner_counts_the_reference_tokens():
     assert plan(load_config(ROOT / "recipes/configs/tiny_flux2/grpo_lora.yaml",
                             [f"data.train_prompts={EDITS}"]), 2, family=FLUX2_KLEIN).image_tokens == 128
     # the real klein editing preset: 512 px, 1024 noisy + 1024 reference tokens (configs shipped in tools/)
-    edit = load_config(ROOT / "recipes/configs/flux2_klein/edit_nft_lora.yaml", [f"data.train_prompts={EDITS}"])
+    edit = load_config(ROOT / "recipes/configs/flux2_klein/edit_nft_lora.yaml",
+                       [f"data.train_prompts={EDITS}", "data.eval_prompts=null"])
     assert plan(edit, 8, family=FLUX2_KLEIN).image_tokens == 2 * 1024
 
 
-def test_the_kontext_overlay_over_the_tiny_preset_is_the_kontext_preset():
-    """tiny_kontext/base.yaml holds only what editing changes: laid over tiny/grpo_lora.yaml it is
-    tiny_kontext/grpo_lora.yaml."""
-    from grpo.schema import own_overrides
+def test_the_tiny_grpo_preset_on_the_kontext_base_is_the_kontext_preset():
+    """tiny_kontext/grpo_lora.yaml is tiny/grpo_lora.yaml with the tiny Kontext model base in place of the tiny FLUX.1
+    one (grpo.schema.read_preset's swap): editing changes the model base only, not the objective."""
+    from grpo.schema import merge, read_preset
 
-    overlay = own_overrides(ROOT / "recipes/configs/tiny_kontext/base.yaml")
-    laid = load_config(ROOT / "recipes/configs/tiny/grpo_lora.yaml",
-                       [*overlay, "output_dir=runs/tiny_kontext_grpo_lora"])
-    assert laid == load_config(PRESET)
+    configs = ROOT / "recipes/configs"
+    laid = read_preset(configs / "tiny/grpo_lora.yaml",
+                       swap={configs / "tiny/base.yaml": configs / "tiny_kontext/base.yaml"})
+    assert merge(laid, {"output_dir": "runs/tiny_kontext_grpo_lora"}) == read_preset(PRESET)
 
 
 def test_the_held_out_eval_samples_each_edit_from_its_source_image(tmp_path):

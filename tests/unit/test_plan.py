@@ -127,8 +127,9 @@ def test_an_offloaded_vae_visits_the_latents_device_only_while_decoding():
 def test_the_replay_buffer_is_counted_in_host_memory_and_its_block_in_the_update():
     """grpo.replay keeps `size` entries of float32 latents x_0 .. x_L and L log-probs on every rank (grpo/replay.py),
     and the replay block's share of them visits the device during the update."""
-    cfg = load_config(ROOT / "recipes/configs/tiny/opgrpo_lora.yaml")
-    p, off = P.plan(cfg, 2), P.plan(load_config(ROOT / "recipes/configs/tiny/opgrpo_lora.yaml", ["grpo.replay=null"]), 2)
+    preset = ROOT / "recipes/configs/experimental/tiny_opgrpo_lora.yaml"
+    cfg = load_config(preset)
+    p, off = P.plan(cfg, 2), P.plan(load_config(preset, ["grpo.replay=null"]), 2)
     r, latent = cfg.grpo.replay, 16 * 64 * 4  # the tiny world: 64 px -> 16 tokens of 64 channels, float32
     entry = (r.truncate + 1) * latent + r.truncate * 4
     assert p.host == {"replay buffer (every rank)": r.size * entry} and off.host == {}

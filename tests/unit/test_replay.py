@@ -16,7 +16,7 @@ from grpo.rollout_plan import RolloutPlan
 from tests import ROOT
 
 TINY_PRESETS = ROOT / "recipes" / "configs" / "tiny"
-OPGRPO = TINY_PRESETS / "opgrpo_lora.yaml"
+OPGRPO = ROOT / "recipes" / "configs" / "experimental" / "tiny_opgrpo_lora.yaml"
 
 
 def test_the_highest_positive_advantages_are_selected_highest_first():

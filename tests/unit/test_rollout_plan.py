@@ -18,7 +18,7 @@ CASES = {  # preset, overrides
     "dancegrpo": ("grpo_lora.yaml", []),
     "mixgrpo": ("mixgrpo_lora.yaml", []),
     "flash": ("mixgrpo_flash_lora.yaml", []),
-    "flash_frozen": ("mixgrpo_flash_frozen_lora.yaml", []),
+    "flash_frozen": ("../experimental/tiny_mixgrpo_flash_frozen_lora.yaml", []),
     "flowgrpo_fast": ("flowgrpo_fast_lora.yaml", []),
     "nft": ("nft_lora.yaml", []),
     "nft_dpm": ("nft_lora.yaml", ["sampling.tail=dpm2", "sampling.compress_ratio=0.5"]),

@@ -52,6 +52,6 @@ def test_seed_curves_are_averaged_point_by_point():
 def test_the_flux2_family_runs_the_same_presets_on_tiny_flux2():
     """--family flux2: each strategy's preset on the tiny FLUX.2 world, at the same compute per step."""
     for name in ("dancegrpo", "nft", "branchgrpo"):
-        flux1, flux2 = ttr.strategy_config(name, []), ttr.strategy_config(name, ttr.FAMILIES["flux2"])
+        flux1, flux2 = ttr.strategy_config(name, []), ttr.strategy_config(name, [], "flux2")
         assert flux2.model.path.endswith("tiny-flux2") and "to_qkv_mlp_proj" in flux2.lora.target_modules
         assert ttr.step_cost(flux2, 0) == ttr.step_cost(flux1, 0)
