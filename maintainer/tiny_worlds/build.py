@@ -49,7 +49,8 @@ UNTRAINED = dict(vae_steps=0, decoder_steps=0, transformer_steps=0, eval_seeds=0
 
 
 @contextmanager
-def _phase(name: str) -> Iterator[None]:
+def phase(name: str) -> Iterator[None]:
+    """Logs a build phase's start and its time."""
     start = time.perf_counter()
     logger.info("phase %s ...", name)
     yield
@@ -344,7 +345,7 @@ def build(
     earlier = None
     if init_from is not None:
         vae_steps = 0  # the VAE is the earlier build's, bit for bit
-        with _phase("load"):
+        with phase("load"):
             earlier = json.loads((init_from / "build_info.json").read_text())
             if earlier.get("family", "flux1") != builder.name:
                 raise ValueError(f"{init_from} is a {earlier.get('family', 'flux1')} build, not {builder.name}")
@@ -359,7 +360,7 @@ def build(
         pipe, n_params = builder.fresh(layers, single_layers)
         vae, transformer = pipe.vae, pipe.transformer
         t = mark("models", t)
-        with _phase("vae"):
+        with phase("vae"):
             if vae_steps > 0:
                 train_vae(vae, vae_steps, vae_batch, vae_lr, kl_weight=1e-3, generator=generator)
             stats = builder.set_latent_stats(vae, generator, latent_stat_images)
@@ -367,10 +368,10 @@ def build(
             logger.info("vae latent %s %s", builder.stats_key, stats)
         t = mark("vae", t)
     if decoder_steps > 0:
-        with _phase("decoder"):
+        with phase("decoder"):
             train_vae(vae, decoder_steps, vae_batch, vae_lr, 0.0, decoder_generator, decoder_only=True)
         t = mark("decoder", t)
-    with _phase("transformer"):
+    with phase("transformer"):
         if transformer_steps > 0:
             builder.train_transformer(
                 pipe, transformer_steps, transformer_batch, transformer_lr, shift, images_per_prompt, generator,
@@ -378,7 +379,7 @@ def build(
             )
         transformer.requires_grad_(False)
     t = mark("transformer", t)
-    with _phase("save"):
+    with phase("save"):
         out.mkdir(parents=True, exist_ok=True)
         if init_from is None:
             pipe.save_pretrained(str(out), safe_serialization=True)
@@ -406,7 +407,7 @@ def build(
         "threads": torch.get_num_threads(),
     }
     if eval_seeds > 0:
-        with _phase("evaluate"):
+        with phase("evaluate"):
             _, heldout = world.split_prompts()
             seeds = list(range(eval_seeds))
             sampled = builder.sample_scores(pipe, heldout, eval_steps, seeds)

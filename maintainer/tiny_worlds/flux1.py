@@ -24,11 +24,11 @@ from grpo.models import FLUX1, Conditioning, ModelFamily
 from grpo.tiny import world
 from maintainer.tiny_worlds.build import (
     Builder,
-    _phase,
     flow_matching,
     latent_pool,
     latent_size,
     parameter_counts,
+    phase,
     random_renders,
     score_samples,
     vae_arch,
@@ -266,10 +266,10 @@ def _fresh_pipeline(layers: int, single_layers: int):
     """Tokenizers and untrained models assembled into a FluxPipeline; returns (pipe, parameter counts)."""
     from diffusers import FluxPipeline
 
-    with _phase("tokenizers"), tempfile.TemporaryDirectory() as tmp:
+    with phase("tokenizers"), tempfile.TemporaryDirectory() as tmp:
         clip_tok = build_clip_tokenizer(Path(tmp) / "clip")
         t5_tok = build_t5_tokenizer(Path(tmp) / "t5")
-    with _phase("models"):
+    with phase("models"):
         text_encoder, text_encoder_2 = build_text_encoders(clip_tok, t5_tok)
         vae = build_vae()
         transformer = build_transformer(layers, single_layers)

@@ -64,12 +64,12 @@ from maintainer.tiny_worlds.build import (
     RESOLUTION,
     UNTRAINED,
     Builder,
-    _phase,
     build,
     flow_matching,
     latent_pool,
     latent_size,
     parameter_counts,
+    phase,
     random_renders,
     score_samples,
     vae_arch,
@@ -255,9 +255,9 @@ def _fresh(model: ModelFamily, tokenizer_fn, encoder_fn, layers: int, single_lay
            **pipeline_config):
     """`tokenizer_fn(tmp folder)` and `encoder_fn(tokenizer)`, the VAE and the untrained transformer assembled into
     `model`'s pipeline; returns (pipe, parameter counts)."""
-    with _phase("tokenizers"), tempfile.TemporaryDirectory() as tmp:
+    with phase("tokenizers"), tempfile.TemporaryDirectory() as tmp:
         tokenizer = tokenizer_fn(Path(tmp))
-    with _phase("models"):
+    with phase("models"):
         text_encoder = encoder_fn(tokenizer)
         vae = build_vae()
         transformer = build_transformer(layers, single_layers, guidance_embeds)
