@@ -5,20 +5,17 @@ grpo.config.load_config runs them once per start; the checks that need files or 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from grpo.errors import ConfigError
 from grpo.objectives import OBJECTIVES
+from grpo.settings import RecipeSettings
 
-if TYPE_CHECKING:  # the config module calls these checks: no import back at run time
-    from grpo.config import RecipeConfig
 
 def _positive(value: float, key: str, fix: str) -> None:
     if not value > 0:
         raise ConfigError(f"{key}: must be > 0, got {value}; {fix}")
 
 
-def validate(cfg: RecipeConfig) -> None:
+def validate(cfg: RecipeSettings) -> None:
     """Single-field and cross-field checks that need no files and no world size."""
     _positive(cfg.max_steps, "max_steps", "set max_steps to the number of GRPO steps to run")
     s, b, a = cfg.sampling, cfg.batch, cfg.advantage
@@ -70,7 +67,7 @@ def validate(cfg: RecipeConfig) -> None:
     _validate_profile(cfg)
 
 
-def _validate_text_encoder_placement(cfg: RecipeConfig) -> None:
+def _validate_text_encoder_placement(cfg: RecipeSettings) -> None:
     caps = cfg.data.text_encoder_max_memory
     if caps is None:
         return
@@ -98,7 +95,7 @@ def _check_cpp_compiler() -> None:
                           "is on PATH); install g++ or set model.compile=false")
 
 
-def _validate_optim_lora(cfg: RecipeConfig) -> None:
+def _validate_optim_lora(cfg: RecipeSettings) -> None:
     """AdamW, gradient clipping and the LoRA adapters' numbers (finiteness is the schema's)."""
     o = cfg.optim
     _positive(o.lr, "optim.lr", "e.g. 1e-5 full fine-tune, 3e-4 LoRA")
@@ -122,7 +119,7 @@ def _validate_optim_lora(cfg: RecipeConfig) -> None:
             raise ConfigError("lora.target_modules: empty; list module names such as to_q, to_k, to_v, to_out.0")
 
 
-def _validate_algorithm(cfg: RecipeConfig) -> None:
+def _validate_algorithm(cfg: RecipeSettings) -> None:
     """The section `algorithm` names is given and no other objective's; then the objective's own checks."""
     for name in OBJECTIVES:
         if name != cfg.algorithm and getattr(cfg, name) is not None:
@@ -137,7 +134,7 @@ def _validate_algorithm(cfg: RecipeConfig) -> None:
         raise ConfigError(f"sampling.window: selects GRPO's trained transitions; set null for {cfg.algorithm}")
 
 
-def _validate_strategy(cfg: RecipeConfig) -> None:
+def _validate_strategy(cfg: RecipeSettings) -> None:
     """The SDE window, the solver after it and RatioNorm must fit the schedule and each other."""
     s, w = cfg.sampling, cfg.sampling.window
     if w is not None:
@@ -176,7 +173,7 @@ def _validate_strategy(cfg: RecipeConfig) -> None:
         _validate_branch(cfg)
 
 
-def _validate_group_window(cfg: RecipeConfig) -> None:
+def _validate_group_window(cfg: RecipeSettings) -> None:
     """A rollout micro-batch runs one schedule of SDE and ODE steps, so it must not cut a group's samples apart
     from their window: it holds whole groups or lies inside one."""
     s, rollout = cfg.sampling, cfg.batch.rollout_micro_batch
@@ -188,11 +185,11 @@ def _validate_group_window(cfg: RecipeConfig) -> None:
                           "tail: euler with placement group")
 
 
-def _trains_transitions(cfg: RecipeConfig) -> bool:
+def _trains_transitions(cfg: RecipeSettings) -> bool:
     return OBJECTIVES[cfg.algorithm].trains_transitions
 
 
-def _validate_branch(cfg: RecipeConfig) -> None:
+def _validate_branch(cfg: RecipeSettings) -> None:
     """BranchGRPO's tree: a group is one tree of Gaussian SDE steps from one root, every edge trained."""
     s, b = cfg.sampling, cfg.sampling.branch
     if not _trains_transitions(cfg) or s.window is not None:
@@ -216,7 +213,7 @@ def _validate_branch(cfg: RecipeConfig) -> None:
                           "group and advantage.per_reward: false")
 
 
-def _validate_candidates(cfg: RecipeConfig) -> None:
+def _validate_candidates(cfg: RecipeSettings) -> None:
     """Candidate selection: the kept candidates are the group, each previewed from its own starting noise."""
     s, c = cfg.sampling, cfg.sampling.candidates
     if s.branch is not None:
@@ -238,7 +235,7 @@ def _validate_candidates(cfg: RecipeConfig) -> None:
                           "starting noise; set false")
 
 
-def _validate_profile(cfg: RecipeConfig) -> None:
+def _validate_profile(cfg: RecipeSettings) -> None:
     """Profiled steps must be steps the run reaches."""
     bad = [s for s in cfg.profile.steps if not 0 <= s < cfg.max_steps]
     if bad:
@@ -251,7 +248,7 @@ def _validate_profile(cfg: RecipeConfig) -> None:
         raise ConfigError("profile.dir: empty; give a folder name under output_dir, e.g. profile")
 
 
-def _validate_run_control(cfg: RecipeConfig) -> None:
+def _validate_run_control(cfg: RecipeSettings) -> None:
     """Logging, checkpoint, EMA and fault settings."""
     for key, value in (("logging.sample_every", cfg.logging.sample_every),
                        ("logging.eval_every", cfg.logging.eval_every), ("checkpoint.every", cfg.checkpoint.every)):

@@ -20,9 +20,9 @@ import deepspeed
 import torch
 from peft import LoraConfig as PeftLoraConfig
 
-from grpo.config import LoraConfig
 from grpo.export import write_transformer
 from grpo.inputs import check_lora_targets
+from grpo.settings import LoraConfig
 
 
 def precision(ds: dict) -> torch.dtype:

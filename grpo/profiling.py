@@ -86,7 +86,7 @@ class StepProfiler:
 
     @classmethod
     def from_config(cls, cfg: Any, output_dir: str | Path, rank: int, device: torch.device) -> StepProfiler:
-        """From the recipe config's ``profile`` section (grpo.config.ProfileConfig)."""
+        """From the recipe config's ``profile`` section (grpo.settings.ProfileConfig)."""
         p = cfg.profile
         return cls(list(p.steps), output_dir, p.dir, rank, device, p.ranks, p.record_shapes, p.profile_memory,
                    p.with_stack)

@@ -21,12 +21,12 @@ from typing import Iterator
 import torch
 from safetensors.torch import load_file, save_file
 
-from grpo.config import DataConfig, MemoryCaps
 from grpo.device import accelerator, resolve_dtype
 from grpo.models import family_of
 from grpo.models.base import Placement
 from grpo.prompt_sets import PromptSet, read_prompt_file, read_prompt_set
 from grpo.references import ensure_references, load_references
+from grpo.settings import DataConfig, MemoryCaps
 
 __all__ = ["PromptCache", "PromptSet", "read_prompt_file", "read_prompt_set", "cache_file", "encode", "save_cache",
            "load_cache", "ensure_cache", "ensure_references"]

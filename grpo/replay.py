@@ -44,7 +44,8 @@ from grpo.errors import ConfigError
 from grpo.schema import setting
 
 if TYPE_CHECKING:
-    from grpo.config import RecipeConfig
+    # RecipeConfig (grpo/config.py) is these settings plus the objectives' sections; it sits above the registry
+    from grpo.settings import RecipeSettings as RecipeConfig
 
 # grpo/data.py's streams 0-8 are taken; these two are the replay's own
 REPLAY_DRAW, REPLAY_TIMESTEPS = 9, 10

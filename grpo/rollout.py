@@ -17,11 +17,11 @@ from typing import Callable
 
 import torch
 
-from grpo.config import SamplingConfig
 from grpo.data import INIT_NOISE, initial_noise
 from grpo.models import Conditioning, ModelFamily, Parts
 from grpo.prompts import PromptCache
 from grpo.sde import StepOut, predicted_x0, sde_mean_std, sde_sample, sde_step, shifted_sigmas
+from grpo.settings import SamplingConfig
 from grpo.solvers import dpm_solver_pp_sample, flash_sigmas
 from grpo.tree import Tree
 

@@ -14,15 +14,11 @@ other step ODE; ICML 2026, arXiv 2605.15980): placement "group", size 1, high nu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from grpo.data import WINDOW, generator
 from grpo.errors import ConfigError
-
-if TYPE_CHECKING:  # annotations only: grpo.config's checks import the objectives, which import this module
-    from grpo.config import SamplingConfig
+from grpo.settings import SamplingConfig
 
 __all__ = ["rollout_window", "sde_mask", "trainable_bound", "trainable_range", "random_window", "window"]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything a lent accelerator (GPU or NPU) should show, in one command and at most 9 minutes: the device tests, a
+# Everything your first GPU or NPU machine should show, in one command and at most 9 minutes: the device tests, a
 # tiny-preset run (first-pass ratio), block-by-block alignment against the CPU and the FLUX.1-dev-sized benchmark.
 #
 #   bash launch/device_check.sh OUT_DIR [--budget-s 540] [--only tests ratio align bench] [--cpu]

@@ -7,10 +7,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = Path(os.environ.get("GRPO_TINY_MODEL", ROOT / "assets" / "tiny-flux"))
-TINY_FLUX2 = ROOT / "assets" / "tiny-flux2"  # the FLUX.2 [klein] tiny world (python -m tools.build_tiny --family flux2)
-# assets/tiny-flux under FluxKontextPipeline (python -m tools.build_tiny --family flux1-kontext)
+# the FLUX.2 [klein] tiny world (python -m maintainer.tiny_worlds --family flux2)
+TINY_FLUX2 = ROOT / "assets" / "tiny-flux2"
+# assets/tiny-flux under FluxKontextPipeline (python -m maintainer.tiny_worlds --family flux1-kontext)
 TINY_KONTEXT = ROOT / "assets" / "tiny-flux-kontext"
-EDITS = ROOT / "assets" / "prompts" / "tiny_edit_train.jsonl"  # its edit set (python -m tools.tiny_prompts)
+EDITS = ROOT / "assets" / "prompts" / "tiny_edit_train.jsonl"  # its edit set (python -m maintainer.tiny_worlds.prompts)
 EDITS_HELDOUT = ROOT / "assets" / "prompts" / "tiny_edit_heldout.jsonl"
 
 

@@ -48,10 +48,10 @@ def tiny_reward_spec(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict
 @pytest.fixture(scope="session")
 def tiny_flux2_dev(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An untrained tiny Flux2Pipeline (FLUX.2 [dev] layout) folder, built in about a second
-    (tools.build_tiny_flux2.build_dev)."""
+    (maintainer.tiny_worlds.flux2.build_dev)."""
     import torch
 
-    from tools.build_tiny_flux2 import build_dev
+    from maintainer.tiny_worlds.flux2 import build_dev
 
     out = tmp_path_factory.mktemp("tiny-flux2-dev")
     with torch.random.fork_rng(devices=[]):  # the build seeds torch's global generator; the session's stays as it was

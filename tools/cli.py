@@ -1,6 +1,6 @@
 """`flux-grpo COMMAND [args]`: one command line for the recipe and the tools, each subcommand a tool's ``main(argv)``.
 
-    flux-grpo                      the commands, one line each (nothing heavy is imported)
+    flux-grpo                      the commands by group, one line each (nothing heavy is imported)
     flux-grpo COMMAND --help       the details of one
     flux-grpo train --config CONFIG [key=value ...]     the recipe in this process (= python recipes/flux_grpo.py)
 
@@ -25,27 +25,38 @@ class Command(NamedTuple):
     summary: str
 
 
-# Every tools/*.py with a main() is here (tests/unit/test_cli.py checks it); the order is the order they are listed in.
-COMMANDS: dict[str, Command] = {
-    "train": Command("tools.cli:train", "run the recipe (recipes/flux_grpo.py) in this process; launch/run.sh for "
-                                        "several"),
-    "check": Command("tools.check:main", "a preset's start-up checks (exit 2 on bad input), or --resolved settings"),
-    "plan": Command("tools.plan:main", "per-device memory under ZeRO-3: does a config fit, what to change if not"),
-    "prompts": Command("tools.prompts:main", "precompute a preset's prompt-embedding caches before training"),
-    "rewards": Command("tools.rewards:main", "list the rewards, score a folder of images, or serve rewards over HTTP"),
-    "eval": Command("tools.eval:main", "evaluate a checkpoint offline on held-out prompts"),
-    "compare": Command("tools.compare:main", "paired gains and differences of tools.eval's scores.json files"),
-    "export": Command("tools.export:main", "export a training checkpoint to plain diffusers weights"),
-    "align": Command("tools.align:main", "precision alignment: one seeded step under two settings, block by block"),
-    "npu-audit": Command("tools.npu_audit:main", "list the ops of a preset's step that would hurt on Ascend NPUs"),
-    "device-check": Command("tools.device_check:main", "check a lent GPU or NPU: device tests, tiny run, alignment, "
-                                                       "benchmark"),
-    "build-tiny": Command("tools.build_tiny:main", "build the embedded tiny FLUX models (assets/tiny-flux*) offline"),
-    "tiny-prompts": Command("tools.tiny_prompts:main", "write the tiny world's prompt files (assets/prompts)"),
-    "torchrun": Command("tools.torchrun:main", "torchrun as the launchers run it: the workers' exit code, signals "
-                                               "forwarded"),
-    "deepspeed-run": Command("tools.deepspeed_run:main", "the DeepSpeed launcher as launch/multinode.sh runs it"),
+# Every tools/*.py with a main() is here (tests/unit/test_cli.py checks it), in the group and order it is listed in.
+# The tiny worlds' builders are not: they make this repository's own fixtures (maintainer/tiny_worlds/, unpackaged).
+GROUPS: dict[str, dict[str, Command]] = {
+    "train and inspect": {
+        "train": Command("tools.cli:train", "run the recipe (recipes/flux_grpo.py) in this process; launch/run.sh for "
+                                            "several"),
+        "check": Command("tools.check:main", "a preset's start-up checks (exit 2 on bad input), or --resolved "
+                                             "settings"),
+        "plan": Command("tools.plan:main", "per-device memory under ZeRO-3: does a config fit, what to change if not"),
+        "prompts": Command("tools.prompts:main", "precompute a preset's prompt-embedding caches before training"),
+    },
+    "evaluate and ship": {
+        "eval": Command("tools.eval:main", "evaluate a checkpoint offline on held-out prompts"),
+        "compare": Command("tools.compare:main", "paired gains and differences of tools.eval's scores.json files"),
+        "export": Command("tools.export:main", "export a training checkpoint to plain diffusers weights"),
+        "rewards": Command("tools.rewards:main", "list the rewards, score a folder of images, or serve rewards over "
+                                                 "HTTP"),
+    },
+    "porting to NPU": {
+        "align": Command("tools.align:main", "precision alignment: one seeded step under two settings, block by block"),
+        "npu-audit": Command("tools.npu_audit:main", "list the ops of a preset's step that would hurt on Ascend NPUs"),
+        "device-check": Command("tools.device_check:main", "check your first GPU or NPU machine in one command: "
+                                                           "device tests, tiny run, alignment, benchmark"),
+    },
+    # What launch/run.sh and launch/multinode.sh run; listed so that nothing the command runs is hidden.
+    "launcher plumbing": {
+        "torchrun": Command("tools.torchrun:main", "torchrun as the launchers run it: the workers' exit code, signals "
+                                                   "forwarded"),
+        "deepspeed-run": Command("tools.deepspeed_run:main", "the DeepSpeed launcher as launch/multinode.sh runs it"),
+    },
 }
+COMMANDS: dict[str, Command] = {name: cmd for group in GROUPS.values() for name, cmd in group.items()}
 
 
 def train(argv: Sequence[str] | None = None) -> int:
@@ -56,10 +67,11 @@ def train(argv: Sequence[str] | None = None) -> int:
 
 
 def listing(prog: str = PROG) -> str:
-    """The commands, one line each, with the usage line."""
+    """The usage line, then the commands by group, one line each."""
     width = max(map(len, COMMANDS))
-    lines = [f"usage: {prog} COMMAND [args]   ({prog} COMMAND --help for the details of one)", "commands:"]
-    lines += [f"  {name:<{width}}  {cmd.summary}" for name, cmd in COMMANDS.items()]
+    lines = [f"usage: {prog} COMMAND [args]   ({prog} COMMAND --help for the details of one)"]
+    for group, commands in GROUPS.items():
+        lines += ["", f"{group}:", *(f"  {name:<{width}}  {cmd.summary}" for name, cmd in commands.items())]
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""Check a lent GPU or NPU in one command: device tests, tiny run, alignment against the CPU, benchmark.
+"""Check your first GPU or NPU machine in one command: device tests, tiny run, alignment against the CPU, benchmark.
 
 The device tests, a short tiny-preset run, block-by-block alignment against the CPU and the FLUX.1-dev-sized
 benchmark, within a time budget, every log in one folder.

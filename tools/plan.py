@@ -53,13 +53,14 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from grpo.config import LoraConfig, RecipeConfig, load_config
+from grpo.config import RecipeConfig, load_config
 from grpo.layout import derive_layout
 from grpo.objectives import objective_of
 from grpo.device import resolve_dtype
 from grpo.errors import ConfigError, run_command
 from grpo.models import ModelFamily, family_of_pipeline, family_of_transformer
 from grpo.models.blocks import enable_checkpointing
+from grpo.settings import LoraConfig
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parents[1]
@@ -321,7 +322,7 @@ class TransformerTrace:
 
 def transformer_trace(config: dict, dtype: torch.dtype, lora, batch: int, image_tokens: int,
                       text_tokens: int) -> TransformerTrace:
-    """Meta-device traces of the transformer (grpo.config.LoraConfig or None) at one micro-batch geometry."""
+    """Meta-device traces of the transformer (grpo.settings.LoraConfig or None) at one micro-batch geometry."""
     key = None if lora is None else (lora.rank, lora.alpha, lora.dropout, lora.init, tuple(lora.target_modules))
     return _transformer_trace(json.dumps(config, sort_keys=True), dtype, key, batch, image_tokens, text_tokens)
 

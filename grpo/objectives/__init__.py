@@ -14,7 +14,8 @@ from grpo.objectives.grpo import GRPO
 from grpo.objectives.nft import NFT
 
 if TYPE_CHECKING:
-    from grpo.config import RecipeConfig
+    # RecipeConfig (grpo/config.py) is these settings plus the objectives' sections; it sits above the registry
+    from grpo.settings import RecipeSettings as RecipeConfig
 
 __all__ = ["OBJECTIVES", "Models", "Objective", "PlanTerms", "objective_of"]
 

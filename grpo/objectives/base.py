@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager
 
 import torch
 
-if TYPE_CHECKING:  # annotations only: grpo.config imports this package to build its sections
-    from grpo.config import RecipeConfig
+if TYPE_CHECKING:
+    # RecipeConfig (grpo/config.py) is these settings plus the objectives' sections; it sits above the registry
+    from grpo.settings import RecipeSettings as RecipeConfig
     from grpo.step import Chunk
 
 

@@ -26,7 +26,8 @@ from grpo.sde import kl_same_std, log_prob_gain
 from grpo.windows import trainable_range
 
 if TYPE_CHECKING:
-    from grpo.config import RecipeConfig
+    # RecipeConfig (grpo/config.py) is these settings plus the objectives' sections; it sits above the registry
+    from grpo.settings import RecipeSettings as RecipeConfig
     from grpo.step import Chunk
 
 

@@ -15,7 +15,8 @@ from grpo.objectives.forward import ForwardProcess, ForwardProcessSettings
 from grpo.schema import setting
 
 if TYPE_CHECKING:
-    from grpo.config import RecipeConfig
+    # RecipeConfig (grpo/config.py) is these settings plus the objectives' sections; it sits above the registry
+    from grpo.settings import RecipeSettings as RecipeConfig
     from grpo.step import Chunk
 
 

@@ -139,8 +139,9 @@ def split_prompts(every: int = 5) -> tuple[list[str], list[str]]:
 
 
 def prompt_files() -> dict[str, str]:
-    """The text of assets/prompts/tiny_{train,heldout}.{txt,jsonl} (python -m tools.tiny_prompts writes them): the
-    split's prompts, one a line, and the same prompts as JSON Lines rows of `record` (prompt + scene metadata)."""
+    """The text of assets/prompts/tiny_{train,heldout}.{txt,jsonl} (python -m maintainer.tiny_worlds.prompts writes
+    them): the split's prompts, one a line, and the same prompts as JSON Lines rows of `record` (prompt + scene
+    metadata)."""
     files = {}
     for name, prompts in zip(("tiny_train", "tiny_heldout"), split_prompts()):
         files[f"{name}.txt"] = "".join(f"{p}\n" for p in prompts)
@@ -190,8 +191,8 @@ def edit_rows() -> tuple[list[dict], list[dict]]:
 
 def edit_files(size: int = 64, seed: int = 0) -> dict[str, bytes]:
     """The bytes of assets/prompts/tiny_edit_{train,heldout}.jsonl and of the source images they name (PNG, `size`
-    px, rendered with the world's jitter from `seed` and the image's number): what python -m tools.tiny_prompts
-    writes."""
+    px, rendered with the world's jitter from `seed` and the image's number): what python -m
+    maintainer.tiny_worlds.prompts writes."""
     files = {}
     for name, rows in zip(("tiny_edit_train", "tiny_edit_heldout"), edit_rows()):
         files[f"{name}.jsonl"] = "".join(json.dumps(r) + "\n" for r in rows).encode()

@@ -9,7 +9,7 @@ import torch
 
 from tests import ROOT
 from tests.recipe.launch import SMALL, run_recipe, train_rows
-from tools.build_tiny_flux2 import DEV_GUIDANCE, DEV_MAX_SEQUENCE_LENGTH
+from maintainer.tiny_worlds.flux2 import DEV_GUIDANCE, DEV_MAX_SEQUENCE_LENGTH
 
 # CI time (~35 s idle, 70 s loaded): the [dev] family's own code (encoding, guidance, parity with Flux2Pipeline) is
 # tests/unit/test_flux2_dev.py's; the recipe around it is the klein runs' (tests/recipe/test_flux2_runs.py).

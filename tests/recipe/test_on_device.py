@@ -5,8 +5,8 @@ Run on a 910B machine (CANN sourced, torch + torch_npu from requirements-npu.txt
     source launch/npu_env.sh
     python -m pytest tests/recipe/test_on_device.py -m npu -v
 
-or everything a lent accelerator should show (these tests, a tiny run, alignment against the CPU, the benchmark) in one
-command: bash launch/device_check.sh OUT_DIR (tools/device_check.py).
+or everything a GPU or NPU machine should show (these tests, a tiny run, alignment against the CPU, the benchmark) in
+one command: bash launch/device_check.sh OUT_DIR (tools/device_check.py).
 
 Each check runs in a subprocess, so DeepSpeed binds to the device there whatever the test process already chose; its
 environment (tools.launch.launch_env) drops a surrounding job's rank variables and keeps this process's thread count.

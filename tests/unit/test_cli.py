@@ -1,6 +1,6 @@
-"""The `flux-grpo` dispatcher (tools/cli.py) in-process: the table holds every tool, the listing imports nothing heavy,
-a command gets its argv and its exit code comes back unchanged (2 for bad input), `python -m tools` is the same table.
-The installed command, from another folder: tests/recipe/test_packaging.py."""
+"""The `flux-grpo` dispatcher (tools/cli.py) in-process: the table holds every tool in its group and no maintainer tool,
+the listing imports nothing heavy, a command gets its argv and its exit code comes back unchanged (2 for bad input),
+`python -m tools` is the same table. The installed command, from another folder: tests/recipe/test_packaging.py."""
 
 from __future__ import annotations
 
@@ -34,6 +34,27 @@ def test_every_tool_with_a_main_is_a_command_and_every_target_exists():
         tree = ast.parse((ROOT / f"{module.replace('.', '/')}.py").read_text(encoding="utf-8"))
         assert any(isinstance(n, ast.FunctionDef) and n.name == func for n in tree.body), name
         assert cmd.summary and len(cmd.summary) < 100
+
+
+def test_the_commands_are_listed_in_their_groups():
+    assert {group: list(commands) for group, commands in cli.GROUPS.items()} == {
+        "train and inspect": ["train", "check", "plan", "prompts"],
+        "evaluate and ship": ["eval", "compare", "export", "rewards"],
+        "porting to NPU": ["align", "npu-audit", "device-check"],
+        "launcher plumbing": ["torchrun", "deepspeed-run"],
+    }
+    assert list(cli.COMMANDS) == [name for commands in cli.GROUPS.values() for name in commands]
+    listed = cli.listing()
+    for group, commands in cli.GROUPS.items():  # each group's header, then its commands, in order
+        block = listed.split(f"\n{group}:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+        assert [line.split()[0] for line in block] == list(commands)
+
+
+def test_no_maintainer_tool_is_a_command():
+    """The tiny worlds' builders live in maintainer/ (unpackaged); the product's table never reaches them."""
+    assert not [cmd.target for cmd in cli.COMMANDS.values() if not cmd.target.startswith("tools.")]
+    assert not {"build-tiny", "tiny-prompts"} & set(cli.COMMANDS)
+    assert not list((ROOT / "tools").glob("*tiny*"))
 
 
 @pytest.mark.parametrize("argv", [[], ["--help"]])

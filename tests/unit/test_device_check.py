@@ -1,4 +1,4 @@
-"""tools/device_check.py, the one-command check of a lent accelerator: each part's verdict on its log and result files
+"""tools/device_check.py, the one-command check of a GPU or NPU machine: each part's verdict on its log and result files
 and the refusal without an accelerator. The time limit that kills a part's whole process group and (slow) the whole
 command on the CPU are in tests/recipe/test_device_check.py."""
 

@@ -37,7 +37,7 @@ def test_keyword_inputs_reach_the_blocks_by_position():
 def test_the_presets_keep_it_off_and_a_resume_may_change_it():
     import dataclasses
 
-    from grpo.config import DeepSpeedConfig
+    from grpo.settings import DeepSpeedConfig
 
     for preset in sorted((ROOT / "recipes/configs").glob("*/*.yaml")):
         if preset.name == "base.yaml" or preset.parent.name == "objectives":  # not runnable: no objective, no model

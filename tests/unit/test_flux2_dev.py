@@ -12,7 +12,7 @@ from grpo.models.flux2 import FLUX2_DEV
 from grpo.prompts import PromptCache
 from grpo.rollout import FluxSampler
 from tests import ROOT
-from tools.build_tiny_flux2 import DEV_GUIDANCE, DEV_MAX_SEQUENCE_LENGTH
+from maintainer.tiny_worlds.flux2 import DEV_GUIDANCE, DEV_MAX_SEQUENCE_LENGTH
 
 PROMPTS = ["a red circle on a blue background", "a green square on a yellow background",
            "a cyan triangle on the left on a magenta background"]

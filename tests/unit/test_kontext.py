@@ -48,7 +48,7 @@ def test_the_folder_is_kontext_and_the_builders():
     assert index == {**source, "_class_name": "FluxKontextPipeline"}
     for name in ("vae", "text_encoder", "text_encoder_2", "tokenizer", "scheduler"):  # the tiny FLUX.1's very files
         assert (TINY_KONTEXT / name).resolve() == (TINY / name).resolve()
-    # its own transformer, trained to edit (tools/build_tiny_kontext.py)
+    # its own transformer, trained to edit (maintainer/tiny_worlds/kontext.py)
     assert not (TINY_KONTEXT / "transformer").is_symlink()
     info = json.loads((TINY_KONTEXT / "build_info.json").read_text())
     assert info["transformer_steps"] > 0 and info["eval"]["edit_score_mean"] > info["eval"]["unchanged_source_score_mean"]
@@ -56,7 +56,7 @@ def test_the_folder_is_kontext_and_the_builders():
 
 @pytest.mark.parametrize("copy", [False, True])
 def test_the_builder_writes_a_folder_kontext_loads(tmp_path, copy):
-    from tools.build_tiny import main
+    from maintainer.tiny_worlds.cli import main
 
     out = tmp_path / "kontext"
     main(["--family", "flux1-kontext", "--out", str(out), "--init-from", str(TINY), *(["--copy"] if copy else [])])
@@ -70,7 +70,7 @@ def test_the_builder_writes_a_folder_kontext_loads(tmp_path, copy):
 def test_the_builder_trains_a_copy_of_the_transformer_to_edit(tmp_path):
     from safetensors.torch import load_file
 
-    from tools.build_tiny import main
+    from maintainer.tiny_worlds.cli import main
 
     out = tmp_path / "kontext"
     main(["--family", "flux1-kontext", "--out", str(out), "--init-from", str(TINY), "--transformer-steps", "2",
@@ -228,11 +228,12 @@ def test_two_images_a_row_are_refused_for_kontext(tmp_path):
 
 
 def test_the_edit_set_is_the_worlds_own():
-    """assets/prompts/tiny_edit_* are what python -m tools.tiny_prompts writes; every row is an edit of one part,
-    its prompt and metadata the target scene, held-out targets never trained on."""
+    """assets/prompts/tiny_edit_* are what python -m maintainer.tiny_worlds.prompts writes; every row is an edit of
+    one part, its prompt and metadata the target scene, held-out targets never trained on."""
     files = world.edit_files()
     for name, data in files.items():
-        assert (EDITS.parent / name).read_bytes() == data, f"{name}: regenerate with python -m tools.tiny_prompts"
+        assert (EDITS.parent / name).read_bytes() == data, (
+            f"{name}: regenerate with python -m maintainer.tiny_worlds.prompts")
     assert sum(len(d) for d in files.values()) < 200_000
     train, heldout = read_prompt_set(EDITS), read_prompt_set(EDITS_HELDOUT)
     assert (len(train), len(heldout)) == (73, 17)

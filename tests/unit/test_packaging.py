@@ -59,6 +59,7 @@ def test_packages_entry_point_and_package_data():
     on_disk = {".".join(p.parent.relative_to(ROOT).parts) for top in ("grpo", "tools", "recipes")
                for p in (ROOT / top).rglob("__init__.py")}
     assert packages == on_disk  # a new subpackage must be listed, or a wheel would lack it
+    assert (ROOT / "maintainer" / "__init__.py").is_file() and not {p for p in packages if p.startswith("maintainer")}
     assert cfg["project"]["scripts"] == {"flux-grpo": "tools.cli:main"}
     shipped = {f"{pkg}/{name}" for pkg, names in cfg["tool"]["setuptools"]["package-data"].items() for name in names}
     data = {str(p.relative_to(ROOT)) for top in ("grpo", "tools") for p in (ROOT / top).rglob("*")

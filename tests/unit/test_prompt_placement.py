@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.config import MemoryCaps, load_config
+from grpo.config import load_config
 from grpo.models import family_of
 from grpo.models.base import ModelFamily, Placement
 from grpo.prompts import cache_file, load_cache, max_memory
+from grpo.settings import MemoryCaps
 from tests import ROOT, TINY, TINY_FLUX2
 
 PROMPTS = ["a red circle on a blue background", "a green square on a yellow background",

@@ -158,7 +158,8 @@ def test_a_hub_id_is_refused_offline_in_one_line(monkeypatch):
 
 def test_the_tiny_jsonl_files_are_the_worlds_own():
     for name, text in world.prompt_files().items():
-        assert (PROMPTS_DIR / name).read_text() == text, f"{name}: regenerate with python -m tools.tiny_prompts"
+        assert (PROMPTS_DIR / name).read_text() == text, (
+            f"{name}: regenerate with python -m maintainer.tiny_worlds.prompts")
     for split, prompts in zip(("train", "heldout"), world.split_prompts()):
         rows = read_prompt_set(PROMPTS_DIR / f"tiny_{split}.jsonl")
         assert rows.prompts == prompts

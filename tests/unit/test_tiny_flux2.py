@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from grpo.tiny import world
-from tools import build_tiny
-from tools import build_tiny_flux2 as flux2
+from maintainer.tiny_worlds import cli, flux1, flux2
+from maintainer.tiny_worlds.build import UNTRAINED, build
 from tests import TINY_FLUX2
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -48,7 +48,7 @@ def _check_contract(pipe):
 
 def test_quick_build_loads_unchanged_and_generates(tmp_path):
     out = tmp_path / "tiny-flux2"
-    summary = build_tiny.build(out, family=flux2.family(), **QUICK)
+    summary = build(out, flux2.klein(), **QUICK)
     index = json.loads((out / "model_index.json").read_text())
     assert index["_class_name"] == "Flux2KleinPipeline" and index["is_distilled"] is False
     assert summary["family"] == "flux2" and not list(out.rglob("*.bin"))
@@ -90,7 +90,7 @@ def test_vae_bn_statistics_are_measured_and_init_from_keeps_them(tmp_path):
     from safetensors.torch import load_file
 
     first = tmp_path / "first"
-    info = build_tiny.build(first, family=flux2.family(), **{**QUICK, "vae_steps": 1}, vae_batch=2)
+    info = build(first, flux2.klein(), **{**QUICK, "vae_steps": 1}, vae_batch=2)
     vae = _load(first).vae
     mean, var = vae.bn.running_mean, vae.bn.running_var
     assert not torch.allclose(mean, torch.zeros_like(mean)) and not torch.allclose(var, torch.ones_like(var))
@@ -103,8 +103,8 @@ def test_vae_bn_statistics_are_measured_and_init_from_keeps_them(tmp_path):
     # Continuing it trains the transformer only (here with every step's first sample at the pipeline's 512 length)
     # and keeps every other file byte for byte.
     more = tmp_path / "more"
-    chain = build_tiny.build(more, family=flux2.family(long_text_every=1), transformer_steps=1, transformer_batch=2,
-                             images_per_prompt=1, seed=1, eval_seeds=0, init_from=first)
+    chain = build(more, flux2.klein(long_text_every=1), transformer_steps=1, transformer_batch=2, images_per_prompt=1,
+                  seed=1, eval_seeds=0, init_from=first)
     kept = [f.relative_to(first) for f in first.rglob("*") if f.is_file() and f.parent.name != "transformer"]
     assert len(kept) > 6 and all((more / f).read_bytes() == (first / f).read_bytes() for f in kept
                                  if f.name != "build_info.json")
@@ -114,13 +114,13 @@ def test_vae_bn_statistics_are_measured_and_init_from_keeps_them(tmp_path):
     assert chain["init_from"] == info and chain["vae_bn"] == info["vae_bn"]
     assert chain["transformer_options"] == {"cfg_dropout": 0.1, "long_text_every": 1}
     with pytest.raises(ValueError, match="flux2 build"):
-        build_tiny.build(tmp_path / "wrong", transformer_steps=0, eval_seeds=0, init_from=first)
+        build(tmp_path / "wrong", flux1.BUILDER, transformer_steps=0, eval_seeds=0, init_from=first)
 
 
 @pytest.fixture(scope="module")
 def shipped():
     if not (ASSET / "model_index.json").is_file():
-        pytest.skip(f"{ASSET} not built (python -m tools.build_tiny --family flux2 --out {ASSET})")
+        pytest.skip(f"{ASSET} not built (python -m maintainer.tiny_worlds --family flux2 --out {ASSET})")
     return _load(ASSET)
 
 
@@ -147,11 +147,12 @@ def test_shipped_model_loosely_follows_heldout_prompts(shipped):
 
 def test_flux2_options_are_refused_for_flux1(tmp_path):
     with pytest.raises(SystemExit, match="flux2 option"):
-        build_tiny.main(["--out", str(tmp_path / "x"), "--cfg-dropout", "0.2"])
+        cli.main(["--out", str(tmp_path / "x"), "--cfg-dropout", "0.2"])
     assert not (tmp_path / "x").exists()
 
 
-# FLUX.2 [dev]: the untrained Flux2Pipeline folder (tools.build_tiny_flux2.build_dev, the `tiny_flux2_dev` fixture)
+# FLUX.2 [dev]: the untrained Flux2Pipeline folder (maintainer.tiny_worlds.flux2.build_dev, the `tiny_flux2_dev`
+# fixture)
 
 
 def test_dev_build_loads_unchanged_and_generates(tiny_flux2_dev):
@@ -188,16 +189,16 @@ def test_dev_build_loads_unchanged_and_generates(tiny_flux2_dev):
 
 def test_dev_builds_untrained_only(tmp_path, monkeypatch):
     seen = {}
-    monkeypatch.setattr(build_tiny, "build", lambda out, **kw: seen.update(kw))
+    monkeypatch.setattr(cli, "build", lambda out, builder, **kw: seen.update(kw, builder=builder))
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # main sets the builder's; the session keeps its own
-    build_tiny.main(["--family", "flux2-dev", "--untrained", "--out", str(tmp_path / "x")])
-    assert seen["family"].name == "flux2-dev" and {k: seen[k] for k in build_tiny.UNTRAINED} == build_tiny.UNTRAINED
+    cli.main(["--family", "flux2-dev", "--untrained", "--out", str(tmp_path / "x")])
+    assert seen["builder"] is flux2.DEV and {k: seen[k] for k in UNTRAINED} == UNTRAINED
     for argv, words in ((["--family", "flux2-dev"], "add --untrained"),
                         (["--untrained", "--vae-steps", "3"], "drop --vae-steps"),
                         (["--family", "flux2-dev", "--untrained", "--cfg-dropout", "0.2"], "flux2 option")):
         with pytest.raises(SystemExit, match=words):
-            build_tiny.main([*argv, "--out", str(tmp_path / "y")])
+            cli.main([*argv, "--out", str(tmp_path / "y")])
     monkeypatch.undo()
     with pytest.raises(ValueError, match="untrained only"):
-        build_tiny.build(tmp_path / "z", family=flux2.dev_family(), transformer_steps=1)
+        build(tmp_path / "z", flux2.DEV, transformer_steps=1)
     assert not (tmp_path / "y").exists() and not (tmp_path / "z").exists()

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from grpo.tiny import world
-from tools import build_tiny
+from maintainer.tiny_worlds import flux1
+from maintainer.tiny_worlds.build import build
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -19,7 +20,7 @@ ASSET = Path(__file__).resolve().parents[2] / "assets" / "tiny-flux"
 def pipe():
     from diffusers import FluxPipeline
 
-    assert (ASSET / "model_index.json").is_file(), f"{ASSET} missing; build it with python -m tools.build_tiny"
+    assert (ASSET / "model_index.json").is_file(), f"{ASSET} missing; build it with python -m maintainer.tiny_worlds"
     p = FluxPipeline.from_pretrained(str(ASSET), local_files_only=True)
     p.set_progress_bar_config(disable=True)
     return p
@@ -53,7 +54,7 @@ def test_shipped_pipeline_generates_from_a_prompt(pipe):
         width=64,
         num_inference_steps=2,
         guidance_scale=3.5,
-        max_sequence_length=build_tiny.MAX_SEQUENCE_LENGTH,
+        max_sequence_length=flux1.MAX_SEQUENCE_LENGTH,
         generator=torch.Generator().manual_seed(0),
         output_type="pt",
     ).images
@@ -65,7 +66,7 @@ def test_shipped_pipeline_generates_from_a_prompt(pipe):
 def test_shipped_model_loosely_follows_heldout_prompts(pipe):
     # The pretrained model must sit between a blank background (~1/3) and ground truth (~1): GRPO needs room.
     heldout = world.split_prompts()[1]
-    s = build_tiny.sample_scores(pipe, heldout, steps=8, seeds=[0])
+    s = flux1.sample_scores(pipe, heldout, steps=8, seeds=[0])
     assert 0.45 < s.mean().item() < 0.9
 
 
@@ -73,10 +74,10 @@ def test_text_encoders_tell_prompts_apart(pipe):
     prompts = world.all_prompts()
     with torch.no_grad():
         embeds, pooled, text_ids = pipe.encode_prompt(
-            prompts, device=torch.device("cpu"), max_sequence_length=build_tiny.MAX_SEQUENCE_LENGTH
+            prompts, device=torch.device("cpu"), max_sequence_length=flux1.MAX_SEQUENCE_LENGTH
         )
-    assert embeds.shape == (len(prompts), build_tiny.MAX_SEQUENCE_LENGTH, 64) and pooled.shape == (len(prompts), 32)
-    assert text_ids.shape == (build_tiny.MAX_SEQUENCE_LENGTH, 3)
+    assert embeds.shape == (len(prompts), flux1.MAX_SEQUENCE_LENGTH, 64) and pooled.shape == (len(prompts), 32)
+    assert text_ids.shape == (flux1.MAX_SEQUENCE_LENGTH, 3)
     # Every pair of prompts differs in both the sequence and the pooled embedding.
     for x in (embeds.flatten(1), pooled):
         d = torch.cdist(x, x) + torch.eye(len(prompts)) * 1e9
@@ -105,20 +106,20 @@ def test_builder_makes_a_loadable_random_model(tmp_path):
     from diffusers import FluxPipeline
 
     out = tmp_path / "tiny"
-    summary = build_tiny.build(out, vae_steps=0, transformer_steps=0, seed=0, eval_seeds=0, latent_stat_images=16,
-                               decoder_steps=0)
+    summary = build(out, flux1.BUILDER, vae_steps=0, transformer_steps=0, seed=0, eval_seeds=0,
+                    latent_stat_images=16, decoder_steps=0)
     info = json.loads((out / "build_info.json").read_text())
     assert info["transformer_steps"] == 0 and summary["vae_factors"] == info["vae_factors"]
     p = FluxPipeline.from_pretrained(str(out), local_files_only=True)
     p.set_progress_bar_config(disable=True)
     img = p("a red circle on a blue background", height=64, width=64, num_inference_steps=1,
-            max_sequence_length=build_tiny.MAX_SEQUENCE_LENGTH, output_type="pt").images
+            max_sequence_length=flux1.MAX_SEQUENCE_LENGTH, output_type="pt").images
     assert img.shape == (1, 3, 64, 64)
     # Deterministic given the seed: a second build gives the same transformer weights.
     from safetensors.torch import load_file
 
-    build_tiny.build(tmp_path / "again", vae_steps=0, transformer_steps=0, seed=0, eval_seeds=0, latent_stat_images=16,
-                     decoder_steps=0)
+    build(tmp_path / "again", flux1.BUILDER, vae_steps=0, transformer_steps=0, seed=0, eval_seeds=0,
+          latent_stat_images=16, decoder_steps=0)
     a = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")
     b = load_file(tmp_path / "again" / "transformer" / "diffusion_pytorch_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -126,8 +127,8 @@ def test_builder_makes_a_loadable_random_model(tmp_path):
     # Continuing that build (--init-from) trains only the transformer and keeps every other file byte for byte,
     # the tokenizers included (a save_pretrained round trip would drop the T5 tokenizer's Lowercase normalizer).
     more = tmp_path / "more"
-    build_tiny.build(more, transformer_steps=1, transformer_batch=2, images_per_prompt=1, seed=1, eval_seeds=0,
-                     init_from=out)
+    build(more, flux1.BUILDER, transformer_steps=1, transformer_batch=2, images_per_prompt=1, seed=1, eval_seeds=0,
+          init_from=out)
     kept = [f.relative_to(out) for f in out.rglob("*") if f.is_file() and f.parent.name != "transformer"]
     assert len(kept) > 8 and all((more / f).read_bytes() == (out / f).read_bytes() for f in kept
                                  if f.name != "build_info.json")
@@ -140,8 +141,8 @@ def test_builder_makes_a_loadable_random_model(tmp_path):
     # --decoder-steps sharpens the decoder only: the encoder (so every latent) stays bit for bit, and the phase draws
     # from its own generator, so the transformer trains exactly as it did without it.
     sharp = tmp_path / "sharp"
-    build_tiny.build(sharp, transformer_steps=1, transformer_batch=2, images_per_prompt=1, seed=1, eval_seeds=0,
-                     init_from=out, decoder_steps=1, vae_batch=2)
+    build(sharp, flux1.BUILDER, transformer_steps=1, transformer_batch=2, images_per_prompt=1, seed=1, eval_seeds=0,
+          init_from=out, decoder_steps=1, vae_batch=2)
     v0 = load_file(out / "vae" / "diffusion_pytorch_model.safetensors")
     v1 = load_file(sharp / "vae" / "diffusion_pytorch_model.safetensors")
     assert v0.keys() == v1.keys()

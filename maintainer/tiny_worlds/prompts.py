@@ -3,7 +3,7 @@
 and its edit set (`edit_files`: tiny_edit_{train,heldout}.jsonl and their 64 px source images in tiny_edit/, for the
 FLUX.1-Kontext presets, recipes/configs/tiny_kontext/).
 
-    python -m tools.tiny_prompts [FOLDER]      # default assets/prompts
+    python -m maintainer.tiny_worlds.prompts [FOLDER]      # default assets/prompts
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from grpo.tiny import world
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    folder = Path(argv[0] if argv else Path(__file__).resolve().parents[1] / "assets" / "prompts")
+    folder = Path(argv[0] if argv else Path(__file__).resolve().parents[2] / "assets" / "prompts")
     folder.mkdir(parents=True, exist_ok=True)
     for name, text in world.prompt_files().items():
         (folder / name).write_text(text, encoding="utf-8")

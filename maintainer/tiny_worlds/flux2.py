@@ -1,10 +1,10 @@
 """The FLUX.2 families of the tiny world's builder: a `Flux2KleinPipeline` folder ([klein]) and an untrained
 `Flux2Pipeline` one ([dev]), built offline.
 
-    python -m tools.build_tiny --family flux2 --out assets/tiny-flux2 [--vae-steps N] [--transformer-steps N] ...
+    python -m maintainer.tiny_worlds --family flux2 --out assets/tiny-flux2 [--vae-steps N] [--transformer-steps N] ...
 
-`tools.build_tiny` runs the phases (tokenizer, models, VAE, decoder, transformer, save, evaluate, `--init-from`
-chains, build_info.json); this module holds what FLUX.2 does differently:
+build.py runs the phases (tokenizer, models, VAE, decoder, transformer, save, evaluate, `--init-from` chains,
+build_info.json); this module holds what FLUX.2 does differently:
 
 1. tokenizer: a byte-level BPE trained on the world prompts inside the chat template, loaded as `Qwen2TokenizerFast`
    with Qwen3's special tokens (<|endoftext|> pad, <|im_start|>, <|im_end|> eos, <think> / </think>) and a chat
@@ -14,12 +14,12 @@ chains, build_info.json); this module holds what FLUX.2 does differently:
    (9, 18, 27) (`text_encoder_out_layers`); hidden_states[0] is the embedding and hidden_states[28] the final-norm
    output, so 28 layers is the fewest that keeps 27 a plain layer output, as in Qwen3-4B (36 layers). The
    transformer's joint_attention_dim is 3 x 32 = 96.
-3. vae: `AutoencoderKLFlux2` with the FLUX.1 tiny VAE's blocks (`build_tiny.vae_arch`: 64 px -> 4 x 16 x 16), whose
+3. vae: `AutoencoderKLFlux2` with the FLUX.1 tiny VAE's blocks (`build.vae_arch`: 64 px -> 4 x 16 x 16), whose
    latents the pipeline patchifies 2x2 (16 x 8 x 8) and normalises with `vae.bn`'s running statistics: those are set
    from the patchified latents of rendered world images (`set_bn_statistics`), as FLUX.1's scaling/shift factors
    are.
 4. transformer: `Flux2Transformer2DModel` (16 in-channels, 2 double + 4 single blocks, head 4 x 32, RoPE axes
-   (8, 8, 8, 8) over the (T, H, W, L) ids, no guidance embedding: klein has none), trained by `build_tiny`'s
+   (8, 8, 8, 8) over the (T, H, W, L) ids, no guidance embedding: klein has none), trained by build.py's
    `flow_matching` on `pipe._encode_vae_image` latents, conditioned as `Flux2KleinPipeline.__call__` conditions it:
    `encode_prompt` embeddings and text ids, latent ids from `_prepare_latent_ids`, timestep sigma (the pipeline passes
    t / 1000), guidance None.
@@ -39,8 +39,8 @@ Guidance. Klein ships as base (`is_distilled` false: CFG with guidance_scale 4 b
 `cfg_dropout` of the training prompts are the empty prompt, which is the pipeline's CFG negative prompt.
 guidance_scale 1.0 (one transformer pass a step, as the eval samples) turns CFG off.
 
-FLUX.2 [dev], untrained (`build_dev`, `python -m tools.build_tiny --family flux2-dev --untrained --out OUT`): a
-`Flux2Pipeline` folder from the same VAE, scheduler and BPE training, with [dev]'s own parts: a `PixtralProcessor`
+FLUX.2 [dev], untrained (`build_dev`, `python -m maintainer.tiny_worlds --family flux2-dev --untrained --out OUT`):
+a `Flux2Pipeline` folder from the same VAE, scheduler and BPE training, with [dev]'s own parts: a `PixtralProcessor`
 whose tokenizer is the BPE trained on the world prompts as Flux2Pipeline renders them (its system message first, in a
 reduced Mistral-Small-3 chat template), a frozen random `Mistral3ForConditionalGeneration` (31 text layers for the
 stacked hidden states 10, 20, 30; a one-layer Pixtral vision tower) and the transformer with a guidance embedding.
@@ -58,9 +58,22 @@ from pathlib import Path
 
 import torch
 
+from grpo.models import FLUX2_DEV, FLUX2_KLEIN, Conditioning, ModelFamily
 from grpo.tiny import world
-from tools import build_tiny
-from tools.build_tiny import RESOLUTION, _phase
+from maintainer.tiny_worlds.build import (
+    RESOLUTION,
+    UNTRAINED,
+    Builder,
+    build,
+    flow_matching,
+    latent_pool,
+    latent_size,
+    parameter_counts,
+    phase,
+    random_renders,
+    score_samples,
+    vae_arch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -205,10 +218,10 @@ def build_text_encoder(tokenizer):
 
 
 def build_vae(block_out_channels: tuple[int, ...] = (16, 32, 32)):
-    """AutoencoderKLFlux2 of `build_tiny.vae_arch`, patch 2x2 (bn over 16 channels); bn statistics set later."""
+    """AutoencoderKLFlux2 of `build.vae_arch`, patch 2x2 (bn over 16 channels); bn statistics set later."""
     from diffusers import AutoencoderKLFlux2
 
-    return AutoencoderKLFlux2(**build_tiny.vae_arch(block_out_channels), patch_size=(2, 2))
+    return AutoencoderKLFlux2(**vae_arch(block_out_channels), patch_size=(2, 2))
 
 
 def build_transformer(layers: int = 2, single_layers: int = 4, guidance_embeds: bool = False):
@@ -238,19 +251,17 @@ def build_scheduler():
     return FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
 
 
-def _fresh(pipeline: str, tokenizer_fn, encoder_fn, layers: int, single_layers: int, guidance_embeds: bool,
+def _fresh(model: ModelFamily, tokenizer_fn, encoder_fn, layers: int, single_layers: int, guidance_embeds: bool,
            **pipeline_config):
-    """`tokenizer_fn(tmp folder)` and `encoder_fn(tokenizer)`, the VAE and the untrained transformer assembled into the
-    diffusers `pipeline`; returns (pipe, parameter counts)."""
-    import diffusers
-
-    with _phase("tokenizers"), tempfile.TemporaryDirectory() as tmp:
+    """`tokenizer_fn(tmp folder)` and `encoder_fn(tokenizer)`, the VAE and the untrained transformer assembled into
+    `model`'s pipeline; returns (pipe, parameter counts)."""
+    with phase("tokenizers"), tempfile.TemporaryDirectory() as tmp:
         tokenizer = tokenizer_fn(Path(tmp))
-    with _phase("models"):
+    with phase("models"):
         text_encoder = encoder_fn(tokenizer)
         vae = build_vae()
         transformer = build_transformer(layers, single_layers, guidance_embeds)
-        pipe = getattr(diffusers, pipeline)(
+        pipe = model.pipeline_class()(
             scheduler=build_scheduler(),
             vae=vae,
             text_encoder=text_encoder,
@@ -259,13 +270,13 @@ def _fresh(pipeline: str, tokenizer_fn, encoder_fn, layers: int, single_layers: 
             **pipeline_config,
         )
         pipe.set_progress_bar_config(disable=True)
-        n_params = build_tiny.parameter_counts(dict(transformer=transformer, vae=vae, text_encoder=text_encoder))
+        n_params = parameter_counts(dict(transformer=transformer, vae=vae, text_encoder=text_encoder))
     return pipe, n_params
 
 
 def fresh_pipeline(layers: int, single_layers: int):
     """Tokenizer and untrained models assembled into a Flux2KleinPipeline; returns (pipe, parameter counts)."""
-    return _fresh("Flux2KleinPipeline", lambda tmp: build_qwen_tokenizer(tmp / "qwen"), build_text_encoder, layers,
+    return _fresh(FLUX2_KLEIN, lambda tmp: build_qwen_tokenizer(tmp / "qwen"), build_text_encoder, layers,
                   single_layers, guidance_embeds=False, is_distilled=False)
 
 
@@ -286,7 +297,7 @@ def set_bn_statistics(vae, generator: torch.Generator, n: int = 512) -> dict[str
     The pipeline normalises latents as (z - running_mean) / sqrt(running_var + eps) (per patchified channel) and
     undoes it before decoding, so normalised latents then have mean 0 and variance ~1 per channel.
     """
-    x = build_tiny.random_renders(n, generator)
+    x = random_renders(n, generator)
     z = _patchify(torch.cat([vae.encode(c).latent_dist.mean for c in x.split(128)]))
     vae.bn.running_mean.copy_(z.mean((0, 2, 3)))
     vae.bn.running_var.copy_(z.var((0, 2, 3)))
@@ -304,28 +315,20 @@ def kept_bn_statistics(vae) -> dict[str, list[float]]:
 @torch.no_grad()
 def encode_latents(pipe, images: torch.Tensor) -> torch.Tensor:
     """Images [B, 3, H, W] in [0, 1] -> packed, normalised latents [B, (H/8)(W/8), 16] (`_encode_vae_image`: the
-    posterior mode, patchified, bn-normalised; then `_pack_latents`), what the transformer sees."""
+    posterior mode, patchified, bn-normalised; then the trainer's packing), what the transformer sees."""
     z = torch.cat([pipe._encode_vae_image(c * 2 - 1, generator=None) for c in images.split(128)])
-    return pipe._pack_latents(z)
-
-
-def latent_ids(pipe) -> torch.Tensor:
-    """The pipeline's (T, H, W, L) position ids of a 64 px image's latent tokens: [1, 64, 4]."""
-    side = 2 * (RESOLUTION // (pipe.vae_scale_factor * 2)) // 2
-    return pipe._prepare_latent_ids(torch.zeros(1, 1, side, side))
+    return FLUX2_KLEIN.pack(z)
 
 
 @torch.no_grad()
-def prompt_embeddings(pipe, prompts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`pipe.encode_prompt` of prompts, in chunks (the text encoder runs over max_sequence_length tokens each):
-    (embeds [B, L, 96], text ids [1, L, 4])."""
-    embeds, text_ids = [], None
-    for i in range(0, len(prompts), 16):
-        e, text_ids = pipe.encode_prompt(
-            prompts[i : i + 16], device=torch.device("cpu"), max_sequence_length=max_sequence_length
-        )
-        embeds.append(e)
-    return torch.cat(embeds), text_ids[:1]
+def prompt_conditioning(pipe, prompts: list[str], max_sequence_length: int) -> Conditioning:
+    """The trainer's Conditioning of `prompts` (one row each) for a RESOLUTION image: `pipe.encode_prompt` in chunks
+    of 16 (the text encoder runs over max_sequence_length tokens each), no guidance (klein has no embedding)."""
+    cpu = torch.device("cpu")
+    chunks = [FLUX2_KLEIN.encode_chunk(pipe, prompts[i : i + 16], max_sequence_length, cpu)["prompt_embeds"]
+              for i in range(0, len(prompts), 16)]
+    return FLUX2_KLEIN.conditioning({"prompt_embeds": torch.cat(chunks)}, latent_size(pipe), GUIDANCE,
+                                    guidance_embeds=False, device=cpu, dtype=torch.float32)
 
 
 def train_transformer(
@@ -339,49 +342,37 @@ def train_transformer(
     cfg_dropout: float = 0.1,
     long_text_every: int = 8,
 ) -> None:
-    """Rectified-flow pretraining (`build_tiny.flow_matching`) of `pipe.transformer` on every world prompt.
+    """Rectified-flow pretraining (build.py's `flow_matching`) of `pipe.transformer` on every world prompt.
 
-    Conditioned as `Flux2KleinPipeline.__call__` conditions the transformer (see the module docstring). A
-    `cfg_dropout` share of the samples get the empty prompt (CFG's negative prompt); every `long_text_every`-th step
-    (0: never) the first batch/8 samples get the 512-token encoding of their prompt (the pipeline's default length),
-    the others the 32-token one. Both draws come after the batch's own, from the same generator.
+    Conditioned as `Flux2KleinPipeline.__call__` conditions the transformer (see the module docstring), through the
+    trainer's own call (grpo.models.FLUX2_KLEIN.velocity). A `cfg_dropout` share of the samples get the empty prompt
+    (CFG's negative prompt); every `long_text_every`-th step (0: never) the first batch/8 samples get the 512-token
+    encoding of their prompt (the pipeline's default length), the others the 32-token one. Both draws come after the
+    batch's own, from the same generator.
     """
     transformer = pipe.transformer
     prompts = world.all_prompts()
     empty = len(prompts)  # index of "" in the embeddings
-    short, short_ids = prompt_embeddings(pipe, prompts + [""], MAX_SEQUENCE_LENGTH)
-    long = long_ids = None
-    if long_text_every:
-        long, long_ids = prompt_embeddings(pipe, prompts + [""], PIPELINE_MAX_SEQUENCE_LENGTH)
-    latents, pool_index = build_tiny.latent_pool(
-        prompts, images_per_prompt, lambda x: encode_latents(pipe, x), generator
-    )
-    img_ids = latent_ids(pipe)
+    short = prompt_conditioning(pipe, prompts + [""], MAX_SEQUENCE_LENGTH)
+    long = prompt_conditioning(pipe, prompts + [""], PIPELINE_MAX_SEQUENCE_LENGTH) if long_text_every else None
+    latents, pool_index = latent_pool(prompts, images_per_prompt, lambda x: encode_latents(pipe, x), generator)
     n_long = max(1, batch // 8)
 
-    def call(xt, sigma, embeds, text_ids):
-        return transformer(
-            hidden_states=xt,
-            timestep=sigma,
-            guidance=None,
-            encoder_hidden_states=embeds,
-            txt_ids=text_ids,
-            img_ids=img_ids,
-            return_dict=False,
-        )[0]
+    def call(xt, sigma, cond: Conditioning, rows):
+        return FLUX2_KLEIN.velocity(transformer, xt, sigma, cond.select(rows))
 
-    def predict(xt, sigma, cond, step):
-        drop = torch.rand(len(cond), generator=generator) < cfg_dropout
-        cond = torch.where(drop, torch.full_like(cond, empty), cond)
+    def predict(xt, sigma, rows, step):
+        drop = torch.rand(len(rows), generator=generator) < cfg_dropout
+        rows = torch.where(drop, torch.full_like(rows, empty), rows)
         if long_text_every and step % long_text_every == long_text_every - 1:
-            k = min(n_long, len(cond))
-            head = call(xt[:k], sigma[:k], long[cond[:k]], long_ids)
-            if k == len(cond):
+            k = min(n_long, len(rows))
+            head = call(xt[:k], sigma[:k], long, rows[:k])
+            if k == len(rows):
                 return head
-            return torch.cat([head, call(xt[k:], sigma[k:], short[cond[k:]], short_ids)])
-        return call(xt, sigma, short[cond], short_ids)
+            return torch.cat([head, call(xt[k:], sigma[k:], short, rows[k:])])
+        return call(xt, sigma, short, rows)
 
-    build_tiny.flow_matching(transformer, latents, pool_index, predict, steps, batch, lr, shift, generator)
+    flow_matching(transformer, latents, pool_index, predict, steps, batch, lr, shift, generator)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -391,7 +382,7 @@ def train_transformer(
 def sample_scores(pipe, prompts: list[str], steps: int, seeds: list[int], **call) -> torch.Tensor:
     """World scores of samples as the project samples the model: guidance 1 (no CFG), length 32."""
     kwargs = dict(guidance_scale=GUIDANCE, max_sequence_length=MAX_SEQUENCE_LENGTH)
-    return build_tiny.score_samples(pipe, prompts, steps, seeds, **{**kwargs, **call})
+    return score_samples(pipe, prompts, steps, seeds, **{**kwargs, **call})
 
 
 def eval_extra(pipe, prompts: list[str], steps: int, seeds: list[int]) -> dict:
@@ -410,11 +401,11 @@ def eval_extra(pipe, prompts: list[str], steps: int, seeds: list[int]) -> dict:
     return out
 
 
-def family(cfg_dropout: float = 0.1, long_text_every: int = 8) -> build_tiny.Family:
-    """The FLUX.2 [klein] `build_tiny.Family`, with its training options."""
-    return build_tiny.Family(
+def klein(cfg_dropout: float = 0.1, long_text_every: int = 8) -> Builder:
+    """The FLUX.2 [klein] `Builder`, with its training options."""
+    return Builder(
         name="flux2",
-        pipeline="Flux2KleinPipeline",
+        model=FLUX2_KLEIN,
         fresh=fresh_pipeline,
         stats_key="vae_bn",
         set_latent_stats=set_bn_statistics,
@@ -495,31 +486,30 @@ def build_mistral_encoder(processor):
 def fresh_dev_pipeline(layers: int, single_layers: int):
     """Processor and untrained models (a guidance embedding in the transformer) assembled into a Flux2Pipeline;
     returns (pipe, parameter counts)."""
-    return _fresh("Flux2Pipeline", lambda tmp: build_pixtral_processor(), build_mistral_encoder, layers,
+    return _fresh(FLUX2_DEV, lambda tmp: build_pixtral_processor(), build_mistral_encoder, layers,
                   single_layers, guidance_embeds=True)
 
 
 def dev_sample_scores(pipe, prompts: list[str], steps: int, seeds: list[int], **call) -> torch.Tensor:
     """World scores of [dev] samples: guidance 4 into the embedding, length 64."""
     kwargs = dict(guidance_scale=DEV_GUIDANCE, max_sequence_length=DEV_MAX_SEQUENCE_LENGTH)
-    return build_tiny.score_samples(pipe, prompts, steps, seeds, **{**kwargs, **call})
+    return score_samples(pipe, prompts, steps, seeds, **{**kwargs, **call})
 
 
-def dev_family() -> build_tiny.Family:
-    """The FLUX.2 [dev] `build_tiny.Family`: no transformer training (its folders are built `build_tiny.UNTRAINED`)."""
-    return build_tiny.Family(
-        name="flux2-dev",
-        pipeline="Flux2Pipeline",
-        fresh=fresh_dev_pipeline,
-        stats_key="vae_bn",
-        set_latent_stats=set_bn_statistics,
-        kept_latent_stats=kept_bn_statistics,
-        train_transformer=None,
-        sample_scores=dev_sample_scores,
-    )
+# The FLUX.2 [dev] `Builder`: no transformer training (its folders are built UNTRAINED).
+DEV = Builder(
+    name="flux2-dev",
+    model=FLUX2_DEV,
+    fresh=fresh_dev_pipeline,
+    stats_key="vae_bn",
+    set_latent_stats=set_bn_statistics,
+    kept_latent_stats=kept_bn_statistics,
+    train_transformer=None,
+    sample_scores=dev_sample_scores,
+)
 
 
 def build_dev(out: Path, seed: int = 0) -> dict:
-    """An untrained tiny Flux2Pipeline ([dev] layout) folder at `out`, in seconds; returns build_tiny.build's
-    summary. Tests build it into their tmp folders, so none is shipped."""
-    return build_tiny.build(out, family=dev_family(), seed=seed, **build_tiny.UNTRAINED)
+    """An untrained tiny Flux2Pipeline ([dev] layout) folder at `out`, in seconds; returns `build`'s summary. Tests
+    build it into their tmp folders, so none is shipped."""
+    return build(out, DEV, seed=seed, **UNTRAINED)

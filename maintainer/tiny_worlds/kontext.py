@@ -2,21 +2,23 @@
 FluxKontextPipeline, which has FluxPipeline's components (the same transformer class, VAE, text encoders, scheduler),
 with its transformer pretrained to edit.
 
-    python -m tools.build_tiny --family flux1-kontext --out assets/tiny-flux-kontext [--init-from assets/tiny-flux]
-        [--transformer-steps N --transformer-lr LR --transformer-batch B --images-per-prompt K --seed S]
+    python -m maintainer.tiny_worlds --family flux1-kontext --out assets/tiny-flux-kontext
+        [--init-from assets/tiny-flux] [--transformer-steps N --transformer-lr LR --transformer-batch B
+         --images-per-prompt K --seed S]
 
 The folder is the source's model_index.json with `_class_name` FluxKontextPipeline and the source's component
 folders: relative symbolic links by default, so they can never drift from assets/tiny-flux (`copy=True` writes real
 copies, e.g. for a filesystem without links). Without `--transformer-steps` the transformer is the source's too,
 which never saw reference tokens: such a folder serves the Kontext code path only (parity, runs, export).
 
-With `--transformer-steps N` the transformer is a real copy, trained N rectified-flow steps (tools/build_tiny.py's
+With `--transformer-steps N` the transformer is a real copy, trained N rectified-flow steps (build.py's
 `flow_matching`) to edit: the target latents of the world's edits (grpo.tiny.world.all_edits whose target scene is a
 training prompt; held-out targets are never seen), conditioned as FluxKontextPipeline conditions its call (the target
 scene's prompt, guidance 3.5, the source image's packed latents appended after the noisy tokens with first RoPE
-coordinate 1). Each edit's source and target are rendered with one placement (world.render_edits), so what it learns
-is to change what the prompt names and keep where the shape is. The build ends with the held-out edits sampled by
-FluxKontextPipeline and graded by world.edit_score, next to the source returned unchanged and to the right edit
+coordinate 1), through the trainer's own conditioning and transformer call (grpo.models.FLUX1_KONTEXT). Each edit's
+source and target are rendered with one placement (world.render_edits), so what it learns is to change what the
+prompt names and keep where the shape is. The build ends with the held-out edits sampled by FluxKontextPipeline and
+graded by world.edit_score, next to the source returned unchanged and to the right edit
 (`build_info.json`, `eval`).
 """
 
@@ -28,17 +30,21 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from grpo.models import FLUX1_KONTEXT
 from grpo.tiny import world
+from maintainer.tiny_worlds.build import RESOLUTION, flow_matching, latent_size
+from maintainer.tiny_worlds.flux1 import GUIDANCE, MAX_SEQUENCE_LENGTH, encode_latents, prompt_conditioning
 
 logger = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "assets" / "tiny-flux"
-PIPELINE = "FluxKontextPipeline"
+PIPELINE = FLUX1_KONTEXT.pipelines[0]  # FluxKontextPipeline
 
 
 def build_kontext(out: Path, source: Path = SOURCE, copy: bool = False, transformer_steps: int = 0,
@@ -66,11 +72,9 @@ def build_kontext(out: Path, source: Path = SOURCE, copy: bool = False, transfor
             target.symlink_to(os.path.relpath(source / name, out), target_is_directory=True)
     (out / "model_index.json").write_text(json.dumps({**index, "_class_name": PIPELINE}, indent=2) + "\n")
     info = {"family": "flux1-kontext", "from": os.path.relpath(source, out), "copy": copy,
-            "note": "the source's weights, unchanged, under FluxKontextPipeline (tools/build_tiny_kontext.py)"}
+            "note": "the source's weights, unchanged, under FluxKontextPipeline (maintainer/tiny_worlds/kontext.py)"}
     if transformer_steps > 0:
-        from diffusers import FluxKontextPipeline
-
-        pipe = FluxKontextPipeline.from_pretrained(out, dtype=torch.float32)
+        pipe = FLUX1_KONTEXT.pipeline_class().from_pretrained(out, dtype=torch.float32)
         pipe.set_progress_bar_config(disable=True)
         generator = torch.Generator().manual_seed(seed)
         start = time.perf_counter()
@@ -81,7 +85,7 @@ def build_kontext(out: Path, source: Path = SOURCE, copy: bool = False, transfor
                     transformer_lr=transformer_lr, shift=shift, images_per_prompt=images_per_prompt,
                     threads=torch.get_num_threads(),
                     note="the source's components under FluxKontextPipeline, the transformer trained to edit "
-                         "(tools/build_tiny_kontext.py)")
+                         "(maintainer/tiny_worlds/kontext.py)")
         if eval_seeds > 0:
             start = time.perf_counter()
             info["eval"] = evaluate(pipe, eval_steps, list(range(eval_seeds)))
@@ -96,31 +100,22 @@ def train_edits(pipe, steps: int, batch: int, lr: float, shift: float, images_pe
                 generator: torch.Generator) -> None:
     """Rectified-flow training of the FluxKontextPipeline `pipe.transformer` on the world's training edits,
     `images_per_prompt` renders (source and target with one placement) of each, conditioned as the pipeline's call."""
-    from tools.build_tiny import MAX_SEQUENCE_LENGTH, RESOLUTION, encode_latents, flow_matching, flux1_velocity
-
     train_targets = set(world.split_prompts()[0])
     edits = [(s, t) for s, _, t in world.all_edits() if t in train_targets]
+    by_edit = prompt_conditioning(pipe, [t for _, t in edits])  # FLUX.1's prompt encoding, one row an edit
     with torch.no_grad():
-        prompt_embeds, pooled, text_ids = pipe.encode_prompt(
-            [t for _, t in edits], prompt_2=None, device=torch.device("cpu"), max_sequence_length=MAX_SEQUENCE_LENGTH
-        )
         edit_of = torch.arange(len(edits)).repeat_interleave(images_per_prompt)
         sources, targets = world.render_edits([edits[i][0] for i in edit_of], [edits[i][1] for i in edit_of],
                                               RESOLUTION, generator)
         refs, latents = encode_latents(pipe, sources), encode_latents(pipe, targets)
     logger.info("%d training edits x %d renders: latents %s", len(edits), images_per_prompt, tuple(latents.shape))
-    h = w = RESOLUTION // pipe.vae_scale_factor
-    img_ids = pipe._prepare_latent_image_ids(1, h // 2, w // 2, torch.device("cpu"), torch.float32)
-    ref_ids = img_ids.clone()
-    ref_ids[..., 0] = 1  # FluxKontextPipeline.prepare_latents: the reference grid's first coordinate
-    ids = torch.cat([img_ids, ref_ids])
+    # One row a render: its edit's prompt, its own source image as the reference tokens.
+    cond = replace(by_edit.select(edit_of), ref_latents=refs,
+                   ref_ids=FLUX1_KONTEXT.reference_ids(latent_size(pipe), torch.device("cpu"), torch.float32))
     transformer = pipe.transformer
-    tokens = latents.shape[1]
 
-    def predict(xt, sigma, cond, step):
-        e = edit_of[cond]
-        hidden = torch.cat([xt, refs[cond]], dim=1)
-        return flux1_velocity(transformer, hidden, sigma, pooled[e], prompt_embeds[e], text_ids, ids)[:, :tokens]
+    def predict(xt, sigma, rows, step):
+        return FLUX1_KONTEXT.velocity(transformer, xt, sigma, cond.select(rows))
 
     flow_matching(transformer, latents, torch.arange(len(edit_of)), predict, steps, batch, lr, shift, generator)
 
@@ -130,8 +125,6 @@ def evaluate(pipe, steps: int, seeds: list[int]) -> dict:
     """world.edit_score of FluxKontextPipeline edits of every held-out edit (its target scene never trained on), one
     per seed, next to the source returned unchanged and the right edit; with the mean per edit kind."""
     from PIL import Image
-
-    from tools.build_tiny import GUIDANCE, MAX_SEQUENCE_LENGTH, RESOLUTION
 
     heldout = set(world.split_prompts()[1])
     edits = [e for e in world.all_edits() if e[2] in heldout]
