@@ -113,6 +113,10 @@ def test_the_preset_and_its_cost():
     assert plan.forwards_per_image(0) == 6 + 3 * 3  # the on-policy step is grpo's
     # a replay block of 32 of the step's 64 images: 4 no-grad forwards of the weight + 3 trained transitions each
     assert replay.forwards_per_image(4, 3, plan.objective.forwards_per_point(), 32, 64) == 32 * (4 + 9) / 64
+    # in the plan, one cost model: expected from step 2 (16 entries a step fill a block of 32), or as many as ran
+    assert [plan.forwards_per_image(s) for s in (1, 2)] == [15, 15 + 32 * (4 + 9) / 64]
+    assert plan.forwards_per_image(2, extra_blocks=0) == 15 and plan.forwards_per_image(1, extra_blocks=1) == 21.5
+    assert (plan.objective.plan_terms().kept_trajectories, plan.objective.plan_terms().kept_transitions) == (64, 4)
     assert load_config(TINY_PRESETS / "grpo_lora.yaml").grpo.replay is None  # off by default
 
 
