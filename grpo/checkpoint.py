@@ -7,8 +7,9 @@ Layout under ``output_dir/checkpoints/``::
         [bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt  DeepSpeed, one per rank (fp32 master shard, Adam
                                                           moments, LR scheduler); LoRA: trainable weights only
         zero_to_fp32.py                                   DeepSpeed's recovery script
-        grpo_rank{r:05d}.safetensors                      ours: RNG states of rank r and its EMA shard; rank 0's
-                                                          also the replay buffer (grpo.replay, the same on every rank)
+        grpo_rank{r:05d}.safetensors                      ours: RNG states of rank r, its EMA and lagging-policy
+                                                          shards; rank 0's also the objective's state (grpo's
+                                                          replay buffer "replay/*", the same on every rank)
         meta.json                                         ours, written last: step, world size, resolved config,
                                                           size + sha256 of every file above
     latest                                      name of the newest complete checkpoint (DeepSpeed's convention,
@@ -57,7 +58,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
@@ -421,6 +422,30 @@ def _save_phase(device, root: Path, name: str):
         yield
 
 
+class Stateful(Protocol):
+    """A part of the run a checkpoint holds besides DeepSpeed's state: the EMA, the lagging policy, the objective."""
+
+    def state_dict(self) -> tuple[dict[str, Any], dict[str, str]]:
+        """This rank's share: safetensors tensors, named under the part's own prefix, and string metadata."""
+
+    def load_state_dict(self, saved: Saved) -> None:
+        """Restore from the checkpoint's rank files."""
+
+
+@dataclass
+class Saved:
+    """A checkpoint's rank files as the stateful parts read them."""
+
+    tensors: dict  # this rank's file; {} for a rank the writer did not have
+    files: list[Path]  # every writer rank's file, in rank order
+    resharded: bool  # written by another number of processes: a sharded part re-cuts its shards from `files`
+    rank: int
+
+    def rank0(self) -> dict:
+        """Rank 0's file: where a part that is the same on every rank (`replicated`) is saved."""
+        return self.tensors if self.rank == 0 else load_file(str(self.files[0]))
+
+
 class Checkpointer:
     """Saves, prunes and loads the checkpoints of one run (collective methods: call on every rank)."""
 
@@ -440,11 +465,13 @@ class Checkpointer:
             dist.broadcast_object_list(found, src=0)
         return found[0]
 
-    def save(self, engine, state: RunState, ema=None, lagging=None, rng_state: RngState | None = None,
-             replay=None) -> Path:
-        """Write the checkpoint of `state.step` completed steps atomically; returns its folder. `rng_state`: this
-        rank's RNG state to store (rng.rng_state; default: the current one). `replay`: the replay buffer
-        (grpo.replay.ReplayBuffer), identical on every rank, so rank 0's file alone holds it.
+    def save(self, engine, state: RunState, parts: dict[str, Stateful | None] | None = None,
+             rng_state: RngState | None = None) -> Path:
+        """Write the checkpoint of `state.step` completed steps atomically; returns its folder. `parts`: the run's
+        stateful parts besides DeepSpeed's by name (None: not in this run), e.g. "ema", "lagging", "objective": each
+        rank's file holds its share, or rank 0's alone a part that is the same on every rank (`replicated`), and
+        meta.json says which parts it holds. `rng_state`: this rank's RNG state to store (rng.rng_state; default:
+        the current one).
 
         A full disk raises an OutsideFailure on every rank (one line, exit 1; see :func:`_disk_full`), the previous
         checkpoints untouched. It is caught before anything is written when the last checkpoint's size is not free
@@ -453,6 +480,7 @@ class Checkpointer:
         also stands for the barriers between them)."""
         name = checkpoint_name(state.step)
         tmp, final = self.root / f".tmp-{name}", self.root / name
+        parts = parts or {}
 
         def phase():
             return _save_phase(engine.device, self.root, name)
@@ -469,13 +497,11 @@ class Checkpointer:
         with phase():
             tensors, meta = rng_state or rng.snapshot()
             tensors, meta = dict(tensors), dict(meta)  # a given state is kept as it was
-            for average in (ema, lagging):
-                if average is not None:
-                    avg_tensors, avg_meta = average.state()
-                    tensors.update(avg_tensors)
-                    meta.update(avg_meta)
-            if replay is not None and self.rank == 0:
-                tensors.update(replay.state())
+            for part in parts.values():
+                if part is not None and (self.rank == 0 or not getattr(part, "replicated", False)):
+                    part_tensors, part_meta = part.state_dict()
+                    tensors.update(part_tensors)
+                    meta.update(part_meta)
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / rank_file(self.rank)),
                       metadata=meta)
         names = sorted(p.name for p in tmp.iterdir() if p.is_file())
@@ -489,7 +515,7 @@ class Checkpointer:
                 _write_json_atomic(tmp / META, {
                     "format": FORMAT, "step": state.step, "world_size": self.world,
                     "consecutive_skips": state.consecutive_skips, "total_skips": state.total_skips,
-                    "lora": self.cfg.lora is not None, "ema": ema is not None, "lagging": lagging is not None,
+                    "lora": self.cfg.lora is not None, **{k: part is not None for k, part in parts.items()},
                     "transformer_config": {k: v for k, v in dict(engine.module.config).items()
                                            if not k.startswith("_")},
                     "config": to_dict(self.cfg), "files": files, "time": time.time(),
@@ -547,9 +573,10 @@ class Checkpointer:
         for converted in [*self.root.glob(UNIVERSAL + "*"), *self.root.glob(".tmp" + UNIVERSAL + "*")]:
             shutil.rmtree(converted, ignore_errors=True)
 
-    def load(self, path: Path, engine, ema=None, lagging=None, replay=None) -> RunState:
-        """Restore DeepSpeed's state, this rank's RNG, EMA and lagging-policy shards, and the replay buffer from
-        rank 0's file (on any world size); returns the run counters.
+    def load(self, path: Path, engine, parts: dict[str, Stateful | None] | None = None) -> RunState:
+        """Restore DeepSpeed's state, this rank's RNG and the stateful `parts` (as given to :meth:`save`; on any
+        world size); returns the run counters. A part the checkpoint was saved without (e.g. no EMA then) keeps its
+        fresh state, with a warning.
 
         Written by another number of processes: DeepSpeed's universal checkpoint re-partitions the optimizer (the
         engine must come from :func:`engine_config`), the averages are re-cut by flat index (see the module doc)."""
@@ -578,17 +605,17 @@ class Checkpointer:
         if written != self.world and self.rank == 0:
             log.info("resharded %s from %d to %d processes (DeepSpeed universal checkpoint %s)", path, written,
                      self.world, load_dir / path.name)
-        if ema is not None and not meta["ema"]:
-            log.warning("checkpoint %s has no EMA weights; the EMA restarts from the current weights", path)
-            ema = None
-        # lagging: part of the training math (algorithm nft/awm), so the config check made it present
-        for average in (a for a in (ema, lagging) if a is not None):
-            if written == self.world:
-                average.load(tensors)
-            else:
-                average.load_resharded(files)
-        if replay is not None:
-            replay.load(tensors if self.rank == 0 else load_file(str(files[0])))
+        saved = Saved(tensors, files, resharded=written != self.world, rank=self.rank)
+        for name, part in (parts or {}).items():
+            if part is None:
+                continue
+            # meta.json names every part of its run (False: not in it); a part it does not name came later (e.g.
+            # "objective": its tensors, if any, are read as they were). lagging: part of the training math
+            # (algorithm nft/awm), so the config check made it present
+            if meta.get(name, True) is False:
+                log.warning("checkpoint %s has no %s state; it starts afresh from the current weights", path, name)
+                continue
+            part.load_state_dict(saved)
         return RunState(step=meta["step"], consecutive_skips=meta.get("consecutive_skips", 0),
                         total_skips=meta.get("total_skips", 0))
 

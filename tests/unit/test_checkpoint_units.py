@@ -166,12 +166,14 @@ def test_skip_counter_and_fault_injection(monkeypatch):
     c = health.SkipCounter(limit=2)
     assert [c.record(s) for s in (True, False, True, True)] == [False, False, False, True]
     assert (c.consecutive, c.total) == (2, 3)
-    monkeypatch.setenv(health.FAULT_ENV, "nan_reward@2,nan_loss@3:1")
+    from tests.recipe.faulty_recipe import FAULT_ENV, inject  # the fault tests' recipe (tests/recipe/test_faults.py)
+
+    monkeypatch.setenv(FAULT_ENV, "nan_reward@2,nan_loss@3:1")
     x = torch.ones(3, requires_grad=True)
-    assert torch.isnan(health.inject("nan_reward", 2, 0, x)).all()
-    assert torch.equal(health.inject("nan_reward", 1, 0, x), x)
-    assert torch.equal(health.inject("nan_loss", 3, 0, x), x) and torch.isnan(health.inject("nan_loss", 3, 1, x)).all()
-    monkeypatch.delenv(health.FAULT_ENV)
+    assert torch.isnan(inject("nan_reward", 2, 0, x)).all()
+    assert torch.equal(inject("nan_reward", 1, 0, x), x)
+    assert torch.equal(inject("nan_loss", 3, 0, x), x) and torch.isnan(inject("nan_loss", 3, 1, x)).all()
+    monkeypatch.delenv(FAULT_ENV)
     line = health.health_line(4, {"reward_mean": 0.5, "loss": 1e-6, "ratio_max_dev": 0.0, "clip_frac": 0.0,
                                   "grad_norm": float("inf"), "kl": 0.0, "nonfinite/tiny_world": 4.0,
                                   "nonfinite/loss": 1.0, "skipped_updates": 1.0, "step_time_s": 2.0})
