@@ -156,7 +156,7 @@ def main(build: Callable[[], Any]) -> int:
         recipe.setup()
     except ConfigError as e:
         code = rank_exit(f"error: {e}", 2)
-    except OutsideFailure as e:  # rank 0 alone: the disk under a universal conversion (grpo/checkpoint.py)
+    except OutsideFailure as e:  # rank 0 alone: the disk under a universal conversion (grpo/checkpoint/)
         ending()
         return outside_exit(e, recipe.out, recipe.rank)  # its peers wait on the file system; torchrun stops them
     else:

@@ -38,7 +38,7 @@ Features and the settings that control them (see grpo/config.py for every key):
     batch ......................... batch.{prompts_per_step (global), micro_batch_size, rollout_micro_batch_size,
                                     updates_per_step},
                                     sampling.group_size (global); per-rank values derived from the world size
-    checkpoints and resume ........ checkpoint.{every, keep, resume: null|auto|PATH} (grpo/checkpoint.py), also on
+    checkpoints and resume ........ checkpoint.{every, keep, resume: null|auto|PATH} (grpo/checkpoint/), also on
                                     another number of processes (resharded through DeepSpeed's universal checkpoint);
                                     python -m tools.export CHECKPOINT OUT; python -m tools.eval CONFIG checkpoint=...
     EMA of the trained weights .... ema.decay (null = off); used by eval and exports
@@ -173,7 +173,7 @@ class FluxGRPORecipe:
         dev.set_attention_backend(parts.transformer, cfg.model.attention_backend)
         self.sampler = FluxSampler.from_parts(parts, self.vae, cfg.sampling, cfg.seed, self.device, self.dtype)
         self.rewards = build_rewards(cfg.rewards, self.device)
-        # resuming a checkpoint of another world size: DeepSpeed loads it as a universal checkpoint (grpo/checkpoint.py)
+        # resuming a checkpoint of another world size: DeepSpeed loads it as a universal checkpoint (grpo/checkpoint/)
         self.engine, self.scheduler = build_policy(parts.transformer, cfg,
                                                    ckpt.engine_config(self.ds_config, self.resume_from, self.world))
         self.reference = self._setup_reference()
@@ -501,7 +501,7 @@ class FluxGRPORecipe:
         return {"ema": self.ema, "lagging": self.lagging, "objective": self.objective}
 
     def save_checkpoint(self, steps_done: int) -> None:
-        """Collective: a resumable checkpoint (grpo/checkpoint.py) after `steps_done` completed steps."""
+        """Collective: a resumable checkpoint (grpo/checkpoint/) after `steps_done` completed steps."""
         state = ckpt.RunState(steps_done, self.skips.consecutive, self.skips.total)
         path = self.checkpoints.save(self.engine, state, self._stateful())
         if self.rank == 0:

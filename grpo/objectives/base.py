@@ -149,7 +149,7 @@ class Objective:
         """After the step's update, whether it ran or was skipped: what later steps use, from its chunks and the
         gathered advantages (collective where the objective gathers). Default: nothing."""
 
-    # A checkpoint holds the state once, in rank 0's file, and every rank loads that (grpo/checkpoint.py): what an
+    # A checkpoint holds the state once, in rank 0's file, and every rank loads that (grpo/checkpoint/): what an
     # objective remembers is the same on every rank (computed from gathered values)
     replicated: ClassVar[bool] = True
 
