@@ -224,8 +224,9 @@ class FluxGRPORecipe:
                                      resume_step=self.state.step if self.resume_from is not None else None,
                                      wandb=cfg.logging.wandb, config=to_dict(cfg))
         # stop signals, when evals and checkpoints are due, saving when a dependency is down (grpo/run_control.py)
-        self.run = run_control.RunControl(cfg, self.device, self.rank, self.world, self.checkpoints, self.metrics,
-                                          self.skips, save=self.save_checkpoint, evaluate=self.evaluate)
+        self.control = run_control.RunControl(cfg, self.device, self.rank, self.world, self.checkpoints,
+                                              self.metrics, self.skips, save=self.save_checkpoint,
+                                              evaluate=self.evaluate)
 
     def _setup_reference(self):
         """None when kl_coef = 0; the policy itself with adapters disabled for LoRA; else a sharded frozen copy."""
@@ -249,7 +250,7 @@ class FluxGRPORecipe:
     # ------------------------------------------------------------------------------------------------ train
     def train(self) -> None:
         """Run steps state.step .. max_steps-1; SIGTERM/SIGINT: finish the step, save, return (exit 0)."""
-        cfg, run, first = self.cfg, self.run, self.state.step
+        cfg, run, first = self.cfg, self.control, self.state.step
         run.start(first)  # the held-out eval at step 0, or the one the resumed run owed
         with run.signals():
             for step in range(first, cfg.max_steps):

@@ -45,7 +45,8 @@ def _save_phase(device, root: Path, name: str):
 
 
 class Stateful(Protocol):
-    """A part of the run a checkpoint holds besides DeepSpeed's state: the EMA, the lagging policy, the objective."""
+    """A part of the run a checkpoint holds besides DeepSpeed's state: the EMA, the lagging policy, the objective.
+    A part with `replicated = True` is the same on every rank: rank 0's file alone holds it (Saved.rank0)."""
 
     def state_dict(self) -> tuple[dict[str, Any], dict[str, str]]:
         """This rank's share: safetensors tensors, named under the part's own prefix, and string metadata."""
