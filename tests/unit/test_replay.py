@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from grpo import replay
+from grpo.checkpoint import Saved
 from grpo.config import load_config
 from grpo.errors import ConfigError
 from grpo.loss import grpo_loss
+from grpo.objectives import objective_of
 from grpo.replay import ReplayBuffer
 from grpo.rollout_plan import RolloutPlan
 from tests import ROOT
@@ -144,3 +146,22 @@ def test_bad_replay_settings_are_one_line_errors(preset, overrides, needle):
         load_config(preset, overrides)
     assert str(e.value).startswith(needle), str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_the_grpo_objective_owns_the_buffer_its_checkpoint_state_and_its_health_line():
+    """Replay is the grpo objective's (grpo/objectives/base.py's hooks): its state round-trips through a checkpoint's
+    rank-0 tensors under the same "replay/*" names as before; another objective's hooks do nothing."""
+    grpo = objective_of(load_config(OPGRPO))
+    latents, log_probs = _entries(3, 0.5, steps=5)
+    grpo.replay.buffer.add(latents, log_probs, torch.tensor([0.1, 0.2, 0.3]), [5, 6, 7], born=4)
+    tensors, meta = grpo.state_dict()
+    assert set(tensors) == {f"replay/{k}" for k in ReplayBuffer.KEYS} and meta == {} and grpo.replicated
+    again = objective_of(load_config(OPGRPO))
+    again.load_state_dict(Saved(tensors, [], resharded=False, rank=0))
+    assert all(torch.equal(again.state_dict()[0][k], v) for k, v in tensors.items())
+    nft = objective_of(load_config(TINY_PRESETS / "nft_lora.yaml"))
+    assert nft.state_dict() == ({}, {}) and nft.extra_forwards_per_image(10) == 0.0 and nft.rollout_records() == {}
+    assert nft.extra_blocks(None, 3).chunks == [] and nft.remember(None, 3, [], torch.ones(2)) is None
+    drifting = {"ratio_max_dev": 1e-3}  # over 10% of grpo's clip_range 1e-4
+    assert "WARNING" in grpo.health_line(1, drifting) and "WARNING" not in nft.health_line(1, drifting)
+    assert objective_of(load_config(OPGRPO, ["grpo.replay=null"])).state_dict() == ({}, {})
