@@ -43,7 +43,6 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from grpo import replay  # noqa: E402
 from grpo.config import load_config  # noqa: E402
 from grpo.rollout_plan import RolloutPlan  # noqa: E402
 from grpo.schema import read_preset  # noqa: E402
@@ -139,19 +138,10 @@ def strategy_config(name: str, extra: list[str], family: str = "flux1"):
 
 
 def step_cost(cfg, step: int) -> float:
-    """Forward-equivalents per image of step `step`: the recipe's own cost model (grpo/rollout_plan.py), plus with
-    grpo.replay the replay block's (grpo/replay.py) from the step its buffer first holds a block, assuming each step
-    adds per_step trajectories (at least per_step positive advantages a step; `curve` checks it against the log)."""
-    plan = RolloutPlan.of(cfg)
-    cost = plan.forwards_per_image(step)
-    r = cfg.grpo.replay if cfg.algorithm == "grpo" else None
-    if r is not None:
-        samples = cfg.batch.prompts_per_step * cfg.sampling.group_size
-        block = samples // cfg.batch.updates_per_step
-        if step >= math.ceil(block / r.per_step):
-            cost += replay.forwards_per_image(r.truncate, plan.trained_per_trajectory,
-                                              plan.objective.forwards_per_point(), block, samples)
-    return cost
+    """Forward-equivalents per image of step `step`: the recipe's own cost model (grpo/rollout_plan.py), the
+    objective's extra blocks as it expects them (e.g. grpo.replay's block from the step its buffer first holds one,
+    assuming each step adds per_step trajectories; `curve` checks it against the log)."""
+    return RolloutPlan.of(cfg).forwards_per_image(step)
 
 
 def steps_within(cfg, budget: float) -> int:

@@ -2,7 +2,7 @@
 that shapes training.
 
 The schema says which settings may change on resume (the "[may change on resume]" ones, grpo.config.resume_free);
-a file or folder spelled differently (relative vs absolute) is not a change. grpo/checkpoint.py calls
+a file or folder spelled differently (relative vs absolute) is not a change. grpo/checkpoint/ calls
 :func:`check_compatible` before it resumes from a checkpoint.
 """
 

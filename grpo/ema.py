@@ -108,6 +108,18 @@ class ShardedEMA:
         tag = self.prefix.rstrip("/")
         return tensors, {f"{tag}_shapes": json.dumps(shapes), f"{tag}_decay": str(self.decay)}
 
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """A checkpoint's part (grpo.checkpoint.Stateful): this rank's shards."""
+        return self.state()
+
+    def load_state_dict(self, saved) -> None:
+        """From a checkpoint (grpo.checkpoint.Saved): this rank's shards, or re-cut from every writer's when it was
+        written by another number of processes."""
+        if saved.resharded:
+            self.load_resharded(saved.files)
+        else:
+            self.load(saved.tensors)
+
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, s in self.shadow.items():
             s.copy_(tensors[self.prefix + name])

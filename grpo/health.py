@@ -1,4 +1,4 @@
-"""Run health: the per-step health line, skipped-update accounting, graceful stop on SIGTERM/SIGINT, fault injection.
+"""Run health: the per-step health line, skipped-update accounting, graceful stop on SIGTERM/SIGINT.
 
 Non-finite values. A non-finite reward poisons every advantage of its step, so the recipe skips that step's update.
 A non-finite loss or gradient is caught by DeepSpeed itself: ZeRO-3 computes the global gradient norm (all-reduced,
@@ -15,15 +15,14 @@ checkpoint and exit 0, and ``checkpoint.resume=auto`` continues the run exactly.
 --torchrun pass the signal on to the workers (tools/torchrun.py); under a plain torchrun send it to the worker
 processes: torchrun itself reacts to SIGTERM by terminating its workers after a 30 s grace period.
 
-Fault injection (tests only): ``GRPO_FAULT_INJECT="nan_reward@2,nan_loss@3:1"`` turns this rank's rewards (or
-losses) of step 2 (step 3, rank 1 only) into NaN.
+The fault tests inject NaN rewards and losses from their side (tests/recipe/faulty_recipe.py: the recipe, with its
+rewards or losses poisoned where a real fault would enter).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 import signal
 from dataclasses import dataclass, field
 
@@ -34,31 +33,11 @@ from grpo.errors import COLLECTIVE_FAILED
 
 log = logging.getLogger(__name__)
 
-FAULT_ENV = "GRPO_FAULT_INJECT"
 EXIT_TOO_MANY_SKIPS = 3
 
 
 class TooManySkips(RuntimeError):
     """Raised after `faults.max_consecutive_skips` skipped updates in a row (a checkpoint has been saved)."""
-
-
-def _faults() -> list[tuple[str, int, int | None]]:
-    spec = os.environ.get(FAULT_ENV, "").strip()
-    out = []
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        kind, _, where = item.partition("@")
-        step, _, rank = where.partition(":")
-        out.append((kind, int(step), int(rank) if rank else None))
-    return out
-
-
-def inject(kind: str, step: int, rank: int, x: torch.Tensor) -> torch.Tensor:
-    """`x` filled with NaN if GRPO_FAULT_INJECT asks for `kind` at this step on this rank, else `x` itself."""
-    for k, s, r in _faults():
-        if k == kind and s == step and r in (None, rank):
-            log.warning("fault injection: %s at step %d on rank %d", kind, step, rank)
-            return x + float("nan")  # keeps the autograd graph, so backward still runs
-    return x
 
 
 @dataclass

@@ -29,22 +29,30 @@ trajectories are truncated at late steps. Our reading:
                 gradient accumulation is unchanged), drawn afresh keyed by (seed, step, block position), not the
                 ones trained on-policy
     cost        the no-grad pass (L forwards per replayed trajectory) and the block's K trained transitions count in
-                the step's forwards_per_image, when the block runs
+                the step's forwards_per_image (the rollout plan's, grpo/rollout_plan.py), when the block runs
+
+The grpo objective (grpo/objectives/grpo.py) owns a :class:`Replay`: the buffer, the block it draws and recomputes,
+what it remembers after a step, its checkpoint state and its cost; the recipe only trains the block it is handed.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
+import torch.distributed as dist
 
-from grpo.data import generator
+from grpo.data import generator, micro_batches, prompts_for_step
+from grpo.distributed import gather_by_index
 from grpo.errors import ConfigError
 from grpo.schema import setting
+from grpo.step import Chunk, Trajectories
 
 if TYPE_CHECKING:
     # RecipeConfig (grpo/config.py) is these settings plus the objectives' sections; it sits above the registry
+    from grpo.objectives.base import Models
     from grpo.settings import RecipeSettings as RecipeConfig
 
 # grpo/data.py's streams 0-8 are taken; these two are the replay's own
@@ -183,3 +191,99 @@ class ReplayBuffer:
         """Restore from a checkpoint's tensors (without replay/* ones: an empty buffer)."""
         found = {k: tensors[f"replay/{k}"] for k in self.KEYS if f"replay/{k}" in tensors}
         self.tensors = {k: v.clone() for k, v in found.items()} if len(found) == len(self.KEYS) else None
+
+
+class Replay:
+    """OP-GRPO's replay as the grpo objective runs it, the same on every rank: the buffer, the replay block of a step,
+    what a step leaves in the buffer, and the block's cost."""
+
+    def __init__(self, settings: ReplaySettings, cfg: RecipeConfig):
+        self.settings, self.cfg = settings, cfg
+        self.buffer = ReplayBuffer(settings.size, settings.truncate)
+        self.samples = cfg.batch.prompts_per_step * cfg.sampling.group_size  # of a step
+        self.block_size = self.samples // cfg.batch.updates_per_step  # an update block's samples, the replay block's
+
+    # ------------------------------------------------------------------------------------------------- cost
+    def expected_blocks(self, step: int) -> int:
+        """Replay blocks step `step` runs when every step adds per_step trajectories (at least per_step positive
+        advantages a step): 1 once the buffer holds a block. What the planner and the benchmarks count; the recipe
+        counts the blocks that ran."""
+        return int(step >= math.ceil(self.block_size / self.settings.per_step))
+
+    def forwards_per_image(self, k: int, per_point: int) -> float:
+        """One replay block's forward-equivalents per image of the step (:func:`forwards_per_image`)."""
+        return forwards_per_image(self.settings.truncate, k, per_point, self.block_size, self.samples)
+
+    # ------------------------------------------------------------------------------------------------ block
+    @torch.no_grad()
+    def block(self, models: Models, step: int, fixed_targets: Callable[[list[Chunk]], None]
+              ) -> tuple[list[Chunk], dict[str, float]]:
+        """The replay block of step `step`: once the buffer holds an update block's samples, that many entries drawn
+        by a permutation keyed by (seed, step), split over the ranks and cut into micro-batches as an on-policy block
+        is; each micro-batch's log-probs of transitions 0 .. L-1 recomputed by the current policy without gradients
+        (the ratio's reference, and with the stored behaviour log-probs the sequence-level importance weight), and K
+        of them drawn to train; `fixed_targets` fills in the objective's (e.g. the reference at the trained points).
+        Returns this rank's chunks (none before the buffer holds a block) and the stats."""
+        cfg, lay, r = self.cfg, models.layout, self.settings
+        stats = {"replay/size": float(len(self.buffer)), "replay/blocks": 0.0}
+        if len(self.buffer) < self.block_size:
+            return [], stats
+        positions = draw(cfg.seed, step, len(self.buffer), self.block_size)
+        n, rank = lay.samples_per_rank_per_update, _rank()
+        places = list(range(rank * n, (rank + 1) * n))  # this rank's places in the block
+        device = models.sampler.device
+        chunks, weights = [], []
+        with models.inference() as model:
+            for mb in micro_batches(places, lay.micro_batch_size):
+                b = self.buffer.take([positions[p] for p in mb])
+                latents = b.latents.to(device)
+                cond = models.sampler.conditioning(models.prompts, b.prompt_idx)
+                now = torch.stack([models.sampler.transition(model, cond, latents, j).log_prob
+                                   for j in range(r.truncate)], dim=1)
+                w = sequence_weight(now, b.log_probs.to(device), r.truncate, r.weight_cap)
+                trained = replay_transitions(r.truncate, lay.trained_transitions, cfg.seed, step, mb[0])
+                # no image is decoded from a replayed trajectory: x0 stays a placeholder
+                traj = Trajectories(latents, now, x0=latents[:, -1])
+                chunks.append(Chunk(mb, b.prompt_idx, cond, traj, trained, weight=w,
+                                    advantages=b.advantages.to(device)))
+                weights.append(w)
+        fixed_targets(chunks)
+        return chunks, {**stats, "replay/blocks": 1.0, **self._weight_stats(step, positions, weights, places)}
+
+    def _weight_stats(self, step: int, positions: list[int], weights: list[torch.Tensor],
+                      places: list[int]) -> dict[str, float]:
+        """Collective: the block's importance weights over every rank, and the age of its entries."""
+        w = gather_by_index(torch.cat(weights), torch.tensor(places, device=weights[0].device), self.block_size)
+        born = torch.tensor(self.buffer.born(positions), dtype=torch.float32)
+        return {"replay/weight_mean": w.mean().item(), "replay/weight_max": w.max().item(),
+                "replay/weight_min": w.min().item(), "replay/age_mean": (step - born).mean().item()}
+
+    # --------------------------------------------------------------------------------------------- remember
+    def remember(self, models: Models, step: int, chunks: list[Chunk], advantages: torch.Tensor) -> None:
+        """Collective: the step's at most per_step samples of highest positive advantage enter the buffer on every
+        rank, their latents and log-probs gathered from the ranks that rolled them out."""
+        cfg, r, g = self.cfg, self.settings, self.cfg.sampling.group_size
+        chosen = select(advantages, r.per_step)  # the same on every rank: the advantages are gathered
+        if not chosen:
+            return
+        place = {s: i for i, s in enumerate(chosen)}
+        latent_shape = chunks[0].traj.latents.shape[2:]
+        rows, where = [], []
+        for c in chunks:
+            for row, s in enumerate(c.ids):
+                if s in place:
+                    rows.append(torch.cat([c.traj.latents[row, :r.truncate + 1].flatten(),
+                                           c.traj.log_probs[row, :r.truncate]]).float())
+                    where.append(place[s])
+        device = models.sampler.device
+        width = (r.truncate + 1) * latent_shape.numel() + r.truncate
+        local = torch.stack(rows) if rows else torch.zeros(0, width, device=device)
+        table = gather_by_index(local, torch.tensor(where, dtype=torch.long, device=device), len(chosen))
+        prompt_of_slot = prompts_for_step(len(models.prompts), cfg.batch.prompts_per_step, cfg.seed, step)
+        self.buffer.add(table[:, :-r.truncate].reshape(len(chosen), r.truncate + 1, *latent_shape),
+                        table[:, -r.truncate:], advantages[torch.tensor(chosen, device=advantages.device)],
+                        [prompt_of_slot[s // g] for s in chosen], born=step)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0

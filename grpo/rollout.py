@@ -23,6 +23,7 @@ from grpo.prompts import PromptCache
 from grpo.sde import StepOut, predicted_x0, sde_mean_std, sde_sample, sde_step, shifted_sigmas
 from grpo.settings import SamplingConfig
 from grpo.solvers import dpm_solver_pp_sample, flash_sigmas
+from grpo.step import Trajectories  # defined with the other step data, which the objectives build too
 from grpo.tree import Tree
 
 
@@ -40,25 +41,6 @@ class SDEParams:
              noise: torch.Tensor | None = None, prev_sample: torch.Tensor | None = None) -> StepOut:
         return sde_step(x, v, float(sigmas[i]), float(sigmas[i + 1]), eta=self.eta, kind=self.kind, noise=noise,
                         prev_sample=prev_sample, sigma_max=float(sigmas[1]))
-
-
-@dataclass
-class Trajectories:
-    latents: torch.Tensor  # [B, K+1, S, C] float32: x_0 (noise) .. x_K, K = T, or L+1 before a dpm2 tail
-    log_probs: torch.Tensor | None  # [B, K] float32 (0 at ODE steps outside the window); None for ODE rollouts
-    # [B, S, C] float32: the clean latent that is decoded: x0 predicted at the last step, x - sigma_{T-1}·v (as
-    # DanceGRPO@15cc71d fastvideo/train_grpo_flux.py:250-257), or the dpm2 tail's end. With sde: flow and an SDE
-    # last step this differs from Flow-GRPO, which decodes the last latent, still carrying that step's noise
-    # (flow_grpo@9745241 flow_grpo/diffusers_patch/flux_pipeline_with_logprob.py:145-181). The same for cps (no
-    # noise into sigma 0) and for a last step outside the window (an Euler step to sigma 0 lands on x0).
-    x0: torch.Tensor
-    means: torch.Tensor | None = None  # [B, K, S, C] SDE means of each step, when recorded (GRPO-Guard)
-    nfe: int = 0  # transformer calls per trajectory, solver tail included
-
-    def select(self, rows: slice) -> "Trajectories":
-        lp = None if self.log_probs is None else self.log_probs[rows]
-        means = None if self.means is None else self.means[rows]
-        return Trajectories(self.latents[rows], lp, self.x0[rows], means, self.nfe)
 
 
 def timestep(sigmas: torch.Tensor, i: int, batch: int) -> torch.Tensor:

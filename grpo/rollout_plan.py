@@ -2,7 +2,7 @@
 a step costs in transformer forward-equivalents, and how rewards become advantages for that shape of rollout.
 
 One plan serves the recipe (what to train, the cost it logs), the memory planner (tools/plan.py) and
-benchmarks/time_to_reward.py, so there is one cost model. Three shapes:
+benchmarks/time_to_reward.py, so there is one cost model (with the objective's extra update blocks). Three shapes:
     window   an SDE window (MixGRPO, Flow-GRPO-Fast): its steps are trained, the rest are ODE (or a dpm2 tail)
     tree     BranchGRPO's trees: every edge with an advantage is trained; a model call per node
     share    otherwise: K of the objective's points, drawn per micro-batch as a pure function of (seed, step, first
@@ -73,15 +73,19 @@ class RolloutPlan:
         last = window[-1] if window is not None else 0
         return last + tail_points(s.num_steps, last, s.compress_ratio)
 
-    def forwards_per_image(self, step: int) -> float:
+    def forwards_per_image(self, step: int, extra_blocks: int | None = None) -> float:
         """Transformer forward-equivalents per image of step `step`: the rollout's calls, then per trained point
-        the objective's (a forward and a backward = 3, +1 per no-grad forward of its fixed targets). A tree pays
-        once per node, shared by the images under it."""
+        the objective's (a forward and a backward = 3, +1 per no-grad forward of its fixed targets), then the
+        objective's extra update blocks (grpo's replay block): `extra_blocks` of them, as many as ran (the recipe),
+        or by default as many as the objective expects (the planner, the benchmarks). A tree pays once per node,
+        shared by the images under it."""
         per_point = self.objective.forwards_per_point()
         if self.tree is not None:
-            return self.tree.forwards_per_image(self.tree.trained(), per_point)
-        return (self.preview_calls() + self.rollout_calls(self.window(step))
-                + self.trained_per_trajectory * per_point)
+            on_policy = self.tree.forwards_per_image(self.tree.trained(), per_point)
+        else:
+            on_policy = (self.preview_calls() + self.rollout_calls(self.window(step))
+                         + self.trained_per_trajectory * per_point)
+        return on_policy + self.objective.extra_forwards_per_image(step, extra_blocks)
 
     def preview_calls(self) -> float:
         """Candidate selection's preview per trained image: pool / group_size candidates of preview_steps calls."""

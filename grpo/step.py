@@ -1,4 +1,6 @@
-"""The data one GRPO step passes from phase to phase, typed: rollout chunks, update statistics, the step's result.
+"""The data one GRPO step passes from phase to phase, typed: trajectories, rollout chunks, update statistics, the
+step's result. A leaf of grpo/: the sampler (grpo/rollout.py) and the objectives (grpo/objectives/, e.g. grpo's
+replayed chunks) both build these.
 
 A chunk is one update micro-batch of a rank's rollout: the unit of everything after sampling (reward, reference,
 update), so that the update recomputes each trained transition on exactly the batch that produced it (the first-pass
@@ -14,7 +16,25 @@ import torch
 import torch.distributed as dist
 
 from grpo.models import Conditioning
-from grpo.rollout import Trajectories
+
+
+@dataclass
+class Trajectories:
+    latents: torch.Tensor  # [B, K+1, S, C] float32: x_0 (noise) .. x_K, K = T, or L+1 before a dpm2 tail
+    log_probs: torch.Tensor | None  # [B, K] float32 (0 at ODE steps outside the window); None for ODE rollouts
+    # [B, S, C] float32: the clean latent that is decoded: x0 predicted at the last step, x - sigma_{T-1}·v (as
+    # DanceGRPO@15cc71d fastvideo/train_grpo_flux.py:250-257), or the dpm2 tail's end. With sde: flow and an SDE
+    # last step this differs from Flow-GRPO, which decodes the last latent, still carrying that step's noise
+    # (flow_grpo@9745241 flow_grpo/diffusers_patch/flux_pipeline_with_logprob.py:145-181). The same for cps (no
+    # noise into sigma 0) and for a last step outside the window (an Euler step to sigma 0 lands on x0).
+    x0: torch.Tensor
+    means: torch.Tensor | None = None  # [B, K, S, C] SDE means of each step, when recorded (GRPO-Guard)
+    nfe: int = 0  # transformer calls per trajectory, solver tail included
+
+    def select(self, rows: slice) -> "Trajectories":
+        lp = None if self.log_probs is None else self.log_probs[rows]
+        means = None if self.means is None else self.means[rows]
+        return Trajectories(self.latents[rows], lp, self.x0[rows], means, self.nfe)
 
 
 @dataclass
@@ -33,8 +53,8 @@ class Chunk:
     reference: dict[int, torch.Tensor] = field(default_factory=dict)  # GRPO: reference SDE mean; nft/awm: v_ref
     lagging: dict[int, torch.Tensor] = field(default_factory=dict)  # nft/awm: the lagging policy's velocity
     noised: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # nft/awm: (x_t, eps)
-    # A replayed chunk (grpo/replay.py): [B] sequence-level importance weights of its policy loss, and the
-    # advantages its trajectories had at their rollout; an on-policy chunk: 1 and None (the step's advantages)
+    # A chunk of an objective's extra update block (e.g. grpo's replay, grpo/replay.py): [B] importance weights of
+    # its policy loss, and its own advantages; an on-policy chunk: 1 and None (the step's advantages)
     weight: torch.Tensor | float = 1.0
     advantages: torch.Tensor | None = None
 
@@ -60,12 +80,13 @@ class UpdateStats:
     skipped_updates: float = 0.0  # optimizer steps DeepSpeed skipped (non-finite gradient) or never took
     nonfinite_grad: float | None = None
     extra: dict[str, float] = field(default_factory=dict)  # the objective's own terms, e.g. nft's loss_pos
+    extra_blocks: int = 0  # the objective's extra update blocks that ran after the on-policy ones (not logged)
 
     _NAMES = {"nonfinite_loss": "nonfinite/loss", "nonfinite_grad": "nonfinite/grad"}
 
     def metrics(self) -> dict[str, float]:
         out = {self._NAMES.get(f.name, f.name): getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name != "extra" and getattr(self, f.name) is not None}
+               if f.name not in ("extra", "extra_blocks") and getattr(self, f.name) is not None}
         return {**out, **self.extra}
 
 

@@ -12,9 +12,9 @@ One step (`step()`, which the training loop, the tools and the tests all run) re
     reference  grpo: the reference policy's SDE means (kl_coef > 0); nft/awm: the clean samples noised at sampled
                schedule points, with the lagging policy's and the reference's velocities there
     update     grpo: PPO-clip on the trained transitions; nft: the implicit positive/negative policies; awm:
-               advantage-weighted flow matching; accumulated, then an optimizer step; grpo with replay: one more
-               block of past trajectories from the replay buffer, importance-weighted, after the on-policy ones
-    remember   grpo with replay: the step's best positive-advantage trajectories enter the replay buffer
+               advantage-weighted flow matching; accumulated, then an optimizer step; then the objective's extra
+               blocks, if any (grpo with replay: past trajectories from its buffer, importance-weighted)
+    remember   what the objective keeps for later steps (grpo with replay: the best positive-advantage trajectories)
     log/save   health line, metrics.jsonl, TensorBoard, reward curve, sample grids, held-out eval every N steps,
                a resumable checkpoint every N steps, and finally a LoRA or a full transformer export
 
@@ -30,19 +30,20 @@ Features and the settings that control them (see grpo/config.py for every key):
                                     (GRPO-Guard), sampling.branch (BranchGRPO's trees, grpo/tree.py)
     candidate selection ........... sampling.candidates.{pool, keep_top, keep_bottom, preview_steps} (Sol-RL,
                                     grpo/candidates.py), for every objective
-    trajectory replay ............. grpo.replay.{size, per_step, truncate, weight_cap} (OP-GRPO, grpo/replay.py)
+    trajectory replay ............. grpo.replay.{size, per_step, truncate, weight_cap} (OP-GRPO, grpo/replay.py:
+                                    the grpo objective's extra block, memory and checkpoint state)
     objective ..................... algorithm: grpo | nft | awm, its settings in the section of that name
                                     (grpo/objectives/: the recipe calls the objective, never asks which it is)
     advantages .................... advantage.{clip, std_scope, eps, per_reward}
     batch ......................... batch.{prompts_per_step (global), micro_batch_size, rollout_micro_batch_size,
                                     updates_per_step},
                                     sampling.group_size (global); per-rank values derived from the world size
-    checkpoints and resume ........ checkpoint.{every, keep, resume: null|auto|PATH} (grpo/checkpoint.py), also on
+    checkpoints and resume ........ checkpoint.{every, keep, resume: null|auto|PATH} (grpo/checkpoint/), also on
                                     another number of processes (resharded through DeepSpeed's universal checkpoint);
                                     python -m tools.export CHECKPOINT OUT; python -m tools.eval CONFIG checkpoint=...
     EMA of the trained weights .... ema.decay (null = off); used by eval and exports
     faults ........................ faults.{max_consecutive_skips, comm_timeout_s}; SIGTERM/SIGINT: finish the
-                                    step, save, exit 0 (grpo/health.py)
+                                    step, save, exit 0 (grpo/health.py, grpo/run_control.py)
     logging ....................... logging.{sample_every, eval_every, tensorboard, wandb, progress}
 
 Seeds: prompts, initial noise, SDE noise and trained timesteps are pure functions of (seed, step, global sample index)
@@ -59,7 +60,7 @@ Exit codes: 0 done (or stopped by SIGTERM/SIGINT after saving), 2 bad input (one
 3 too many skipped updates in a row (a checkpoint was saved), 75 a dependency is down, retry later (e.g. the reward
 server stopped answering: one line; resume with checkpoint.resume=auto once it is back), 1 anything else (e.g. a dead
 rank, a full disk: one line). A plain torchrun reports 2, 3 and 75 as 1 (rank 0's line is its report's root cause);
-launch/*.sh and python -m tools.torchrun keep them.
+launch/*.sh and python -m tools.torchrun keep them (grpo/run_control.py: the exit codes, evals, checkpoints, stops).
 Copy and edit: cp recipes/flux_grpo.py my_recipe.py, then `bash launch/run.sh CONFIG` with RECIPE=my_recipe.py.
 """
 
@@ -69,7 +70,6 @@ import argparse
 import contextlib
 import dataclasses
 import logging
-import signal
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -83,14 +83,13 @@ from grpo import engine as eng
 from grpo import eval as evals
 from grpo import export, health
 from grpo import lock as out_lock
-from grpo import replay, rng
+from grpo import run_control
 from grpo.candidates import Starts
 from grpo.config import RecipeConfig, dump_config, load_config, to_dict
 from grpo.data import POOL_NOISE, micro_batches, prompts_for_step, step_noise_generator
-from grpo.distributed import agreed_outside_failure, end_process, gather_by_index, leave
+from grpo.distributed import agreed_outside_failure, end_process, gather_by_index
 from grpo.ema import ShardedEMA
-from grpo.errors import (ConfigError, DependencyDown, OutsideFailure, outside_exit, peer_lost_exit, rank_exit,
-                         writes_under)
+from grpo.errors import writes_under
 from grpo.models.blocks import compile_blocks, compile_seconds, enable_checkpointing
 from grpo.inputs import check_inputs
 from grpo.loading import transformer_loader
@@ -100,7 +99,7 @@ from grpo.profiling import PhaseClock, StepProfiler
 from grpo.prompts import ensure_cache, ensure_references, load_cache, read_prompt_set
 from grpo.objectives import Models
 from grpo.rewards import build_rewards, finite_check, mix
-from grpo.rollout import FluxSampler, Trajectories
+from grpo.rollout import FluxSampler
 from grpo.rollout_plan import RolloutPlan
 from grpo.step import Chunk, LossSums, StepResult, UpdateStats
 
@@ -155,10 +154,6 @@ class FluxGRPORecipe:
         # what is trained and its cost (grpo/rollout_plan.py), and the objective (grpo/objectives/)
         self.plan = RolloutPlan.of(cfg)
         self.objective = self.plan.objective
-        # OP-GRPO's replay buffer (grpo/replay.py), the same on every rank; None: no replay
-        self.replay_settings = self.objective.replay
-        r = self.replay_settings
-        self.buffer = replay.ReplayBuffer(r.size, r.truncate) if r is not None else None
         dev.seed_everything(cfg.seed + self.rank)
 
     # ------------------------------------------------------------------------------------------------ setup
@@ -178,7 +173,7 @@ class FluxGRPORecipe:
         dev.set_attention_backend(parts.transformer, cfg.model.attention_backend)
         self.sampler = FluxSampler.from_parts(parts, self.vae, cfg.sampling, cfg.seed, self.device, self.dtype)
         self.rewards = build_rewards(cfg.rewards, self.device)
-        # resuming a checkpoint of another world size: DeepSpeed loads it as a universal checkpoint (grpo/checkpoint.py)
+        # resuming a checkpoint of another world size: DeepSpeed loads it as a universal checkpoint (grpo/checkpoint/)
         self.engine, self.scheduler = build_policy(parts.transformer, cfg,
                                                    ckpt.engine_config(self.ds_config, self.resume_from, self.world))
         self.reference = self._setup_reference()
@@ -209,17 +204,18 @@ class FluxGRPORecipe:
         self.eval_prompts = caches.get("eval")
 
     def _setup_run_state(self) -> None:
-        """EMA, the lagging policy (nft, awm), the checkpoint to resume from (weights, optimizer, RNG, counters),
-        metrics."""
+        """EMA, the lagging policy (nft, awm), the checkpoint to resume from (weights, optimizer, RNG, counters, the
+        objective's own state), metrics, run control."""
         cfg = self.cfg
         self.ema = ShardedEMA(self.engine, cfg.ema.decay) if cfg.ema.decay else None
         # nft samples with it and mixes it into its implicit policies; awm anchors to it (grpo/matching.py)
         self.lagging = ShardedEMA(self.engine, 0.0, prefix="lag/") if self.objective.uses_lagging else None
-        self.models = Models(self.engine, self.sampler, self.lagging, self._inference)  # what the objective uses
+        self.models = Models(self.engine, self.sampler, self.lagging, self._inference,  # what the objective uses
+                             prompts=self.train_prompts, layout=self.layout)
         self.checkpoints = ckpt.Checkpointer(cfg, self.rank, self.world)
         self.state = ckpt.RunState(step=0)
         if self.resume_from is not None:
-            self.state = self.checkpoints.load(self.resume_from, self.engine, self.ema, self.lagging, self.buffer)
+            self.state = self.checkpoints.load(self.resume_from, self.engine, self._stateful())
             if self.rank == 0:
                 log.info("resumed from %s: continuing at step %d", self.resume_from, self.state.step)
         self.skips = health.SkipCounter(cfg.faults.max_consecutive_skips, self.state.consecutive_skips,
@@ -227,6 +223,10 @@ class FluxGRPORecipe:
         self.metrics = MetricsLogger(self.out, self.rank == 0, cfg.logging.tensorboard,
                                      resume_step=self.state.step if self.resume_from is not None else None,
                                      wandb=cfg.logging.wandb, config=to_dict(cfg))
+        # stop signals, when evals and checkpoints are due, saving when a dependency is down (grpo/run_control.py)
+        self.control = run_control.RunControl(cfg, self.device, self.rank, self.world, self.checkpoints,
+                                              self.metrics, self.skips, save=self.save_checkpoint,
+                                              evaluate=self.evaluate)
 
     def _setup_reference(self):
         """None when kl_coef = 0; the policy itself with adapters disabled for LoRA; else a sharded frozen copy."""
@@ -250,19 +250,14 @@ class FluxGRPORecipe:
     # ------------------------------------------------------------------------------------------------ train
     def train(self) -> None:
         """Run steps state.step .. max_steps-1; SIGTERM/SIGINT: finish the step, save, return (exit 0)."""
-        cfg = self.cfg
-        if self.state.step == 0 or self._eval_owed(self.state.step):
-            self.evaluate(step=self.state.step)
-        stop = health.StopSignal()
-        stop.install()
-        try:
-            for step in range(self.state.step, cfg.max_steps):
-                if step > self.state.step and stop.agreed(self.device):  # signalled during the last eval or save
-                    if not self.checkpoints.due(step):
-                        self.save_checkpoint(step)
-                    return self._stopped(step)
+        cfg, run, first = self.cfg, self.control, self.state.step
+        run.start(first)  # the held-out eval at step 0, or the one the resumed run owed
+        with run.signals():
+            for step in range(first, cfg.max_steps):
+                if step > first and run.stopped_before(step):  # signalled during the last eval or save: saved
+                    return run.stopped(step)
                 self.profiler.start(step)
-                with self._saved_if_a_dependency_is_down(steps_done=step):
+                with run.saved_if_a_dependency_is_down(steps_done=step):
                     result = self.step(step)
                 too_many_skips = self.skips.record(result.stats["skipped_updates"] > 0)
                 stats = {**result.stats, "skipped_total": self.skips.total}
@@ -271,19 +266,17 @@ class FluxGRPORecipe:
                 with agreed_outside_failure(self.device), writes_under(self.out, f"metrics and samples of step {step}"):
                     self.metrics.log(step, stats)
                     if self.rank == 0:
-                        log.info(health.health_line(step, stats, self.objective.ratio_clip))
+                        log.info(self.objective.health_line(step, stats))
                     if cfg.logging.sample_every and step % cfg.logging.sample_every == 0 and self.rank == 0:
                         save_grid(result.images, self.out / "samples" / f"step_{step:05d}.png",
                                   cfg.sampling.group_size)
-                if self._after_step(step + 1, stop, too_many_skips):
-                    return self._stopped(step + 1)
-        finally:
-            stop.uninstall()
+                if run.after_step(step + 1, too_many_skips):  # eval and checkpoint when due
+                    return run.stopped(step + 1)
         self.save_final()
 
     def step(self, step: int, phase=None) -> StepResult:
         """One training step: rollout -> reward -> advantage -> reference -> update (-> EMA, lagging policy) ->
-        remember (the replay buffer).
+        remember (what the objective keeps for later steps).
 
         `phase(name)`, when given, returns a context held around the "rollout", "reward" and "train" parts (the
         tools' recording windows); the parts are timed either way.
@@ -303,71 +296,18 @@ class FluxGRPORecipe:
             else:  # a NaN reward would poison every advantage of the step: skip the update, keep the count
                 update = UpdateStats(skipped_updates=float(self.layout.updates_per_step),
                                      lr=self.scheduler.get_last_lr()[0])
-            if update.skipped_updates < self.layout.updates_per_step + update.extra.get("replay/blocks", 0):
+            if update.skipped_updates < self.layout.updates_per_step + update.extra_blocks:
                 self._update_averages()
-            self.remember(step, chunks, advantages)
+            self.objective.remember(self.models, step, chunks, advantages)
         timings = {"time/rollout_s": clock.seconds["rollout"], "time/reward_s": clock.seconds["reward"],
                    "time/update_s": clock.seconds["train"], "step_time_s": clock.total,
                    "samples_per_s": self.layout.samples_per_step / clock.total}
         if self.cfg.model.compile:  # compile time is part of the phases' times above; reported apart
             timings["time/compile_s"] = compile_seconds() - compiling
         # Transformer compute per image in forward-equivalents (a backward counts 2): what strategies trade.
-        cost = self.plan.forwards_per_image(step) + update.extra.pop("replay/forwards_per_image", 0.0)
+        cost = self.plan.forwards_per_image(step, extra_blocks=update.extra_blocks)
         return StepResult(chunks, rewards, advantages, {**starts.stats, **reward_stats, **adv_stats, **update.metrics(),
                                                         **timings, "forwards_per_image": float(cost)})
-
-    def _after_step(self, done: int, stop: health.StopSignal, too_many_skips: bool) -> bool:
-        """Held-out eval and checkpoint when due; True when a stop signal arrived (the checkpoint is then written)."""
-        stopping = stop.agreed(self.device)  # collective: every rank stops after the same step
-        if not stopping and self._eval_due(done):
-            with self._saved_if_a_dependency_is_down(steps_done=done):
-                self.evaluate(step=done)
-        if self.checkpoints.due(done) or stopping or too_many_skips:
-            self.save_checkpoint(done)
-        if too_many_skips:
-            raise health.TooManySkips(
-                f"faults.max_consecutive_skips: {self.skips.consecutive} steps in a row skipped their update "
-                f"(non-finite reward, loss or gradient: see nonfinite/* in {self.out / 'metrics.jsonl'}); "
-                "a checkpoint was saved; fix the cause, then rerun with checkpoint.resume=auto"
-            )
-        return stopping
-
-    def _eval_due(self, done: int) -> bool:
-        every = self.cfg.logging.eval_every
-        return done == self.cfg.max_steps or bool(every and done % every == 0)
-
-    def _eval_owed(self, step: int) -> bool:
-        """Collective: the eval of `step` is due but not in metrics.jsonl (rank 0's rows): the run this one resumes
-        stopped before it, on a signal or on a dependency that failed it."""
-        owed = [self._eval_due(step) and not self.metrics.has_eval(step)]
-        if self.world > 1:
-            dist.broadcast_object_list(owed, src=0)
-        return owed[0]
-
-    @contextlib.contextmanager
-    def _saved_if_a_dependency_is_down(self, steps_done: int):
-        """Around a part of the run a dependency can fail (a reward server: a step's scoring, the held-out eval's).
-        Every rank raises its DependencyDown together (agreed_outside_failure); before the run ends with exit 75 the
-        state of `steps_done` completed steps is checkpointed, unless it is already, so that checkpoint.resume=auto
-        continues exactly once the dependency is back, however old the last periodic checkpoint. Inside a step that
-        is the state at the step's start: the failure comes before the update, and the RNG is put back as it was."""
-        start = rng.snapshot()
-        try:
-            yield
-        except DependencyDown as down:
-            if down.agreed and not self.checkpoints.has(steps_done):
-                rng.set_rng_state(*start, rng.device_rng()[1])
-                try:
-                    self.save_checkpoint(steps_done)
-                except OutsideFailure as e:  # the disk: the dependency's line stays the one to act on
-                    log.warning("no checkpoint after %d steps: %s", steps_done, e)
-                    down.agreed = e.agreed
-            raise
-
-    def _stopped(self, done: int) -> None:
-        if self.rank == 0:
-            log.info("stopped by signal after %d steps; resume with checkpoint.resume=auto", done)
-        self.metrics.close()
 
     # ---------------------------------------------------------------------------------------------- rollout
     @torch.no_grad()
@@ -414,7 +354,7 @@ class FluxGRPORecipe:
                 cond = self.sampler.conditioning(self.train_prompts, prompt_idx)
                 init = self.sampler.initial_latents(step, [starts.init_keys[s] for s in ids], starts.init_stream)
                 noise = [step_noise_generator(cfg.seed, step, starts.sde_keys[s], starts.sde_stream) for s in ids]
-                traj = self.sampler.sample(model, cond, init, noise, window, keep_means=self.objective.keep_means)
+                traj = self.sampler.sample(model, cond, init, noise, window, **self.objective.rollout_records())
                 for i in range(0, len(ids), lay.micro_batch_size):
                     rows = slice(i, i + lay.micro_batch_size)
                     trained = self.plan.trained(step, window, ids[rows][0])
@@ -428,7 +368,6 @@ class FluxGRPORecipe:
     def score(self, chunks: list[Chunk], step: int) -> tuple[torch.Tensor, dict]:
         """Score own images, gather the per-reward scores with their global index, mix them. Returns [N] rewards."""
         local, ids = self._rewards_of([(c.ids, c.prompt_idx, c.images) for c in chunks])
-        local = health.inject("nan_reward", step, self.rank, local)  # a no-op outside fault tests
         components = gather_by_index(local, ids, self.layout.samples_per_step)
         nonfinite = finite_check(components, self.rewards.names)  # over every rank's images
         total = mix(components, self.rewards.weights.to(components.device))
@@ -482,23 +421,25 @@ class FluxGRPORecipe:
     # ----------------------------------------------------------------------------------------------- update
     def update(self, step: int, chunks: list[Chunk], advantages: torch.Tensor) -> UpdateStats:
         """Accumulate the objective's loss over the trained points (transitions or noise levels) of each update
-        block, then step; with replay (grpo.replay), one more block of replayed trajectories after them."""
+        block, then step; then the objective's extra blocks (grpo with replay: its replay block), if any."""
         sums = LossSums(points=self.cfg.sampling.num_steps)
         skipped_before = self.engine.skipped_steps
         adv = [advantages[torch.tensor(c.ids, device=advantages.device)] for c in chunks]
         self._accumulate(step, chunks, adv, sums, on_policy=self.layout.micro_batches_per_update)
-        # drawn and weighted with the weights the on-policy blocks left, so their first pass stays exactly on-policy;
-        # summed apart, so that loss, ratio and clip statistics stay the on-policy blocks' own
-        replayed, replay_stats = self.replayed(step)
-        replay_sums = LossSums(points=self.cfg.sampling.num_steps)
-        self._accumulate(step, replayed, [c.advantages for c in replayed], replay_sums, on_policy=len(replayed))
+        # drawn with the weights the on-policy blocks left, so their first pass stays exactly on-policy; summed
+        # apart, so that loss, ratio and clip statistics stay the on-policy blocks' own
+        extra = self.objective.extra_blocks(self.models, step)
+        extra_sums = LossSums(points=self.cfg.sampling.num_steps)
+        if extra.chunks:  # every rank has extra blocks or none
+            self._accumulate(step, extra.chunks, [c.advantages for c in extra.chunks], extra_sums,
+                             on_policy=len(extra.chunks))
         stats = sums.reduce(self.device)
-        if replayed:  # every rank replays or none: the buffer is the same on each
-            # the replay block's ratio is to the no-grad pass just before it: exactly 1 on its (only) pass
-            r = replay_sums.reduce(self.device)
+        if extra.chunks:
+            r = extra_sums.reduce(self.device)
             stats.nonfinite_loss += r.nonfinite_loss
-            replay_stats.update({f"replay/{k}": v for k, v in r.metrics().items()
-                                 if k not in ("nonfinite/loss", "skipped_updates") and not k.startswith("ratio_dev/")})
+            stats.extra_blocks = len(extra.chunks) // self.layout.micro_batches_per_update
+            extra.stats.update({f"{extra.name}/{k}": v for k, v in r.metrics().items()
+                                if k not in ("nonfinite/loss", "skipped_updates") and not k.startswith("ratio_dev/")})
         skipped = self.engine.skipped_steps - skipped_before  # identical on all ranks (global grad norm)
         if stats.nonfinite_loss > 0 and skipped == 0:
             raise RuntimeError("a non-finite loss reached the optimizer and DeepSpeed did not skip the step; "
@@ -508,7 +449,7 @@ class FluxGRPORecipe:
         stats.lr = self.scheduler.get_last_lr()[0]
         stats.skipped_updates = float(skipped)
         stats.nonfinite_grad = float(skipped if stats.nonfinite_loss == 0 else 0)
-        stats.extra.update(replay_stats)
+        stats.extra.update(extra.stats)
         return stats
 
     def _accumulate(self, step: int, chunks: list[Chunk], advantages: list[torch.Tensor], sums: LossSums,
@@ -518,79 +459,10 @@ class FluxGRPORecipe:
         for n, (c, adv) in enumerate(progress(list(zip(chunks, advantages)), f"update {step}", self.show_progress)):
             for j in c.trained:
                 loss, st = self.objective.loss(self.models, c, j, adv)
-                loss = health.inject("nan_loss", step, self.rank, loss)  # a no-op outside fault tests
                 loss = poison_nonfinite(loss)  # ZeRO-3 then skips the optimizer step (non-finite grad norm)
                 self.engine.backward(loss)
                 self.engine.step()
                 sums.add(loss, st, on_policy=n < on_policy, point=j)
-
-    @torch.no_grad()
-    def replayed(self, step: int) -> tuple[list[Chunk], dict[str, float]]:
-        """OP-GRPO's replay block (grpo.replay, grpo/replay.py): once the buffer holds an update block's samples,
-        that many entries drawn by a permutation keyed by (seed, step), split over the ranks and cut into
-        micro-batches as an on-policy block is; each micro-batch's log-probs of transitions 0 .. L-1 recomputed by
-        the current policy without gradients (the ratio's reference, and with the stored behaviour log-probs the
-        sequence-level importance weight), and K of them drawn to train. Empty without replay."""
-        if self.buffer is None:
-            return [], {}
-        cfg, lay, r = self.cfg, self.layout, self.replay_settings
-        block = lay.samples_per_step // lay.updates_per_step
-        stats = {"replay/size": float(len(self.buffer)), "replay/blocks": 0.0}
-        if len(self.buffer) < block:
-            return [], stats
-        positions = replay.draw(cfg.seed, step, len(self.buffer), block)
-        n = lay.samples_per_rank_per_update
-        places = list(range(self.rank * n, (self.rank + 1) * n))  # this rank's places in the block
-        chunks, weights = [], []
-        with self.models.inference() as model:
-            for mb in micro_batches(places, lay.micro_batch_size):
-                b = self.buffer.take([positions[p] for p in mb])
-                latents = b.latents.to(self.device)
-                cond = self.sampler.conditioning(self.train_prompts, b.prompt_idx)
-                now = torch.stack([self.sampler.transition(model, cond, latents, j).log_prob
-                                   for j in range(r.truncate)], dim=1)
-                w = replay.sequence_weight(now, b.log_probs.to(self.device), r.truncate, r.weight_cap)
-                trained = replay.replay_transitions(r.truncate, lay.trained_transitions, cfg.seed, step, mb[0])
-                # no image is decoded from a replayed trajectory: x0 stays a placeholder
-                traj = Trajectories(latents, now, x0=latents[:, -1])
-                chunks.append(Chunk(mb, b.prompt_idx, cond, traj, trained, weight=w,
-                                    advantages=b.advantages.to(self.device)))
-                weights.append(w)
-        self.objective.fixed_targets(self.models, chunks, step)  # kl_coef > 0: the reference at the trained points
-        w = gather_by_index(torch.cat(weights), torch.tensor(places, device=self.device), block)
-        born = torch.tensor(self.buffer.born(positions), dtype=torch.float32)
-        per_point = self.objective.forwards_per_point()
-        stats.update({"replay/blocks": 1.0, "replay/weight_mean": w.mean().item(), "replay/weight_max": w.max().item(),
-                      "replay/weight_min": w.min().item(), "replay/age_mean": (step - born).mean().item(),
-                      "replay/forwards_per_image": replay.forwards_per_image(
-                          r.truncate, lay.trained_transitions, per_point, block, lay.samples_per_step)})
-        return chunks, stats
-
-    def remember(self, step: int, chunks: list[Chunk], advantages: torch.Tensor) -> None:
-        """Collective with replay (grpo.replay): the step's at most per_step samples of highest positive advantage
-        enter the buffer on every rank, their latents and log-probs gathered from the ranks that rolled them out."""
-        if self.buffer is None:
-            return
-        cfg, r, g = self.cfg, self.replay_settings, self.cfg.sampling.group_size
-        chosen = replay.select(advantages, r.per_step)  # the same on every rank: the advantages are gathered
-        if not chosen:
-            return
-        place = {s: i for i, s in enumerate(chosen)}
-        latent_shape = chunks[0].traj.latents.shape[2:]
-        rows, where = [], []
-        for c in chunks:
-            for row, s in enumerate(c.ids):
-                if s in place:
-                    rows.append(torch.cat([c.traj.latents[row, :r.truncate + 1].flatten(),
-                                           c.traj.log_probs[row, :r.truncate]]).float())
-                    where.append(place[s])
-        width = (r.truncate + 1) * latent_shape.numel() + r.truncate
-        local = torch.stack(rows) if rows else torch.zeros(0, width, device=self.device)
-        table = gather_by_index(local, torch.tensor(where, dtype=torch.long, device=self.device), len(chosen))
-        prompt_of_slot = prompts_for_step(len(self.train_prompts), cfg.batch.prompts_per_step, cfg.seed, step)
-        self.buffer.add(table[:, :-r.truncate].reshape(len(chosen), r.truncate + 1, *latent_shape),
-                        table[:, -r.truncate:], advantages[torch.tensor(chosen, device=advantages.device)],
-                        [prompt_of_slot[s // g] for s in chosen], born=step)
 
     # --------------------------------------------------------------------------------------------- evaluate
     @torch.no_grad()
@@ -625,10 +497,14 @@ class FluxGRPORecipe:
         """The weights eval and export use: the EMA's while the block runs (when on), else the training ones."""
         return self.ema.applied() if self.ema is not None else contextlib.nullcontext()
 
+    def _stateful(self) -> dict:
+        """What a checkpoint holds besides DeepSpeed's state, by name (None: not in this run)."""
+        return {"ema": self.ema, "lagging": self.lagging, "objective": self.objective}
+
     def save_checkpoint(self, steps_done: int) -> None:
-        """Collective: a resumable checkpoint (grpo/checkpoint.py) after `steps_done` completed steps."""
+        """Collective: a resumable checkpoint (grpo/checkpoint/) after `steps_done` completed steps."""
         state = ckpt.RunState(steps_done, self.skips.consecutive, self.skips.total)
-        path = self.checkpoints.save(self.engine, state, self.ema, self.lagging, replay=self.buffer)
+        path = self.checkpoints.save(self.engine, state, self._stateful())
         if self.rank == 0:
             log.info("checkpoint %s", path)
 
@@ -649,49 +525,16 @@ class FluxGRPORecipe:
             self.metrics.close()
 
 
-def _ending() -> None:
-    """The run ends on every rank, each at its own pace: the first to exit makes torchrun stop the others with
-    SIGTERM, which must not cut their report short (rank 0's line, the error file the launcher reads)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, recipe_class: type | None = None) -> int:
+    """Train a preset; returns the exit code (grpo/run_control.py). `recipe_class`: a FluxGRPORecipe subclass."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="YAML preset, e.g. recipes/configs/tiny/grpo_lora.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. max_steps=10")
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    # Every rank finds a bad setting or a skip streak alike; rank 0 alone prints the line, the others exit quietly
-    # with the same code, which the launchers pass on (tools/torchrun.py).
-    try:
-        recipe = FluxGRPORecipe(load_config(args.config, args.overrides))
-        recipe.setup()
-    except ConfigError as e:
-        code = rank_exit(f"error: {e}", 2)
-    except OutsideFailure as e:  # rank 0 alone: the disk under a universal conversion (grpo/checkpoint.py)
-        _ending()
-        return outside_exit(e, recipe.out, recipe.rank)  # its peers wait on the file system; torchrun stops them
-    else:
-        try:
-            recipe.train()
-            code = 0
-        except health.TooManySkips as e:
-            _ending()
-            code = rank_exit(f"error: {e}", health.EXIT_TOO_MANY_SKIPS)
-        except OutsideFailure as e:  # a server, the disk: one line, its code, the traceback in output_dir/logs/
-            _ending()
-            code = outside_exit(e, recipe.out, recipe.rank)
-            if not e.agreed:  # met by this rank alone, e.g. the disk inside DeepSpeed's save
-                return code
-        except RuntimeError as e:  # a dead rank surfaces here (gloo: at once; NCCL/HCCL: after faults.comm_timeout_s)
-            hint = health.comm_failure(e, recipe.cfg.faults.comm_timeout_s)
-            if not hint:
-                raise
-            # the launcher names the lost rank in the run's one error line; this rank exits 75 without a traceback
-            peer_lost_exit(e, hint, recipe.out, recipe.rank, recipe.lock.release if recipe.lock else lambda: None)
-    leave()
-    return code
+    recipe = recipe_class or FluxGRPORecipe
+    return run_control.main(lambda: recipe(load_config(args.config, args.overrides)))
 
 
 if __name__ == "__main__":

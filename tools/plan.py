@@ -509,10 +509,9 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
                    "params in flight": in_flight},
         "optimizer step": ({"fp32 gradient copy": opt_step} if opt_step and not zero["offload_optimizer"] else {}),
     }
-    replay = objective.replay
-    if replay is not None:  # OP-GRPO's buffer (grpo/replay.py): float32 latents x_0 .. x_L and L log-probs an entry
-        entry = (replay.truncate + 1) * latent_bytes + replay.truncate * 4
-        host["replay buffer (every rank)"] = replay.size * entry
+    if terms.kept_trajectories:  # OP-GRPO's buffer (grpo/replay.py): float32 latents x_0 .. x_L, L log-probs an entry
+        entry = (terms.kept_transitions + 1) * latent_bytes + terms.kept_transitions * 4
+        host["replay buffer (every rank)"] = terms.kept_trajectories * entry
         phases["update"]["replay batch"] = layout.samples_per_rank_per_update * entry
     if terms.reference_phase:
         lora_gather = cfg.lora is not None and cfg.deepspeed.gather_for_rollout

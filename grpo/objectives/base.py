@@ -2,17 +2,22 @@
 
 An objective (grpo/objectives/grpo.py, nft.py, awm.py) owns its settings section (named after it), what it needs
 from the rollout, the fixed targets it computes without gradients before the update, its loss at one trained point,
-its start-up checks, its planner terms and its compute per trained point. The recipe holds one objective and calls
-these; it never asks which objective it is (the registry, grpo/objectives/__init__.py, maps `algorithm` to a class).
+its start-up checks, its planner terms and its compute per trained point; and, with no-op defaults, what it adds
+beyond the on-policy update: extra update blocks after the on-policy ones and their cost, what it remembers after a
+step, its own state in checkpoints (grpo's trajectory replay, grpo/replay.py, is all four). The recipe holds one
+objective and calls these; it never asks which objective it is (the registry, grpo/objectives/__init__.py, maps
+`algorithm` to a class).
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager
 
 import torch
+
+from grpo import health
 
 if TYPE_CHECKING:
     # RecipeConfig (grpo/config.py) is these settings plus the objectives' sections; it sits above the registry
@@ -30,6 +35,8 @@ class Models:
     sampler: Any  # grpo.rollout.FluxSampler: the schedule, transitions, velocities
     lagging: Any  # grpo.ema.ShardedEMA of the lagging policy, or None
     inference: Callable[..., ContextManager[torch.nn.Module]]
+    prompts: Any = None  # grpo.prompts.PromptCache of the train set: for samples an objective brings itself (replay)
+    layout: Any = None  # grpo.layout.Layout: the run's per-rank sizes
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,20 @@ class PlanTerms:
     lagging_average: bool  # a sharded fp32 copy of the trained weights (the lagging policy)
     latents_per_point: int  # float32 latents kept per sample and trained point until the update
     reference_phase: bool  # a no-grad pass before the update (reference or lagging forwards)
+    # trajectories kept across steps on every rank (host memory; an extra block takes its share to the device), and
+    # the transitions kept of each: float32 latents x_0 .. x_L and L log-probs an entry (grpo's replay buffer)
+    kept_trajectories: int = 0
+    kept_transitions: int = 0
+
+
+@dataclass
+class ExtraBlocks:
+    """Update blocks an objective trains after the on-policy ones, each a whole block of micro-batches (one optimizer
+    step) on every rank, each chunk with its own advantages and weight (grpo: the replay block)."""
+
+    name: str = ""  # their loss statistics are logged apart from the on-policy blocks', as "<name>/loss", ...
+    chunks: list = field(default_factory=list)  # this rank's micro-batches (grpo.step.Chunk); none: no extra block
+    stats: dict[str, float] = field(default_factory=dict)  # logged with the step, also when no block runs
 
 
 class Objective:
@@ -68,9 +89,11 @@ class Objective:
         return self.settings.kl_coef
 
     uses_lagging: ClassVar[bool] = False  # keeps a lagging copy of the policy (grpo.ema.ShardedEMA)
-    keep_means: bool = False  # the rollout records each step's SDE mean
-    ratio_clip: float | None = None  # the PPO clip whose first-pass ratio the health line watches
-    replay: Any = None  # grpo.replay.ReplaySettings: OP-GRPO's trajectory replay (grpo only); None = off
+
+    def rollout_records(self) -> dict[str, bool]:
+        """What the rollout records beyond latents and log-probs, as keywords of grpo.rollout.FluxSampler.sample
+        (grpo with GRPO-Guard: each step's SDE mean)."""
+        return {}
 
     def points(self, num_steps: int) -> int:
         """The trainable points of a trajectory: transitions, or schedule points."""
@@ -98,6 +121,16 @@ class Objective:
     def plan_terms(self) -> PlanTerms:
         return PlanTerms(lagging_average=False, latents_per_point=0, reference_phase=self.kl_coef > 0)
 
+    def extra_forwards_per_image(self, step: int, blocks: int | None = None) -> float:
+        """Forward-equivalents per image of step `step` that its extra update blocks cost (the rollout plan adds
+        them): `blocks` of them when given (the recipe: those that ran), else as many as the objective expects to
+        run (the planner, the benchmarks). Default: none."""
+        return 0.0
+
+    def health_line(self, step: int, stats: dict[str, float]) -> str:
+        """The step's health line (grpo.health.health_line), with the warnings this objective's stats call for."""
+        return health.health_line(step, stats)
+
     # ----------------------------------------------------------------------------------------- the update
     @torch.no_grad()
     def fixed_targets(self, models: Models, chunks: list[Chunk], step: int) -> None:
@@ -106,3 +139,26 @@ class Objective:
     def loss(self, models: Models, c: Chunk, j: int, adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """The loss of chunk `c` at trained point `j` with the chunk's advantages, and its detached stats."""
         raise NotImplementedError
+
+    def extra_blocks(self, models: Models, step: int) -> ExtraBlocks:
+        """Collective: update blocks to train after the on-policy ones, drawn with the weights those left (so their
+        first pass stays exactly on-policy), their fixed targets filled in. Default: none."""
+        return ExtraBlocks()
+
+    # ------------------------------------------------------------------------------------- across the steps
+    def remember(self, models: Models, step: int, chunks: list[Chunk], advantages: torch.Tensor) -> None:
+        """After the step's update, whether it ran or was skipped: what later steps use, from its chunks and the
+        gathered advantages (collective where the objective gathers). Default: nothing."""
+
+    # A checkpoint holds the state once, in rank 0's file, and every rank loads that (grpo/checkpoint/): what an
+    # objective remembers is the same on every rank (computed from gathered values)
+    replicated: ClassVar[bool] = True
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """What a checkpoint keeps of the objective: safetensors tensors (names prefixed by the objective's own
+        part, e.g. "replay/") and string metadata. Default: nothing."""
+        return {}, {}
+
+    def load_state_dict(self, saved: Any) -> None:
+        """Restore from a checkpoint (a grpo.checkpoint.Saved: its rank files; the state is in rank 0's), which may
+        predate the objective's state. Default: nothing to restore."""

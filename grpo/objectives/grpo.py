@@ -5,7 +5,8 @@ Rollout: SDE steps (eta > 0) recording every latent and log-prob (and each step'
 targets: the reference policy's SDE means at the trained transitions (kl_coef > 0). Loss at transition j: the
 log-prob recomputed by the policy on the same micro-batch (so the first pass's ratio is exactly 1), clipped
 (grpo/loss.py). Which transitions are trained is the rollout plan's (grpo/rollout_plan.py): a seeded share of them,
-an SDE window, or every edge of a tree.
+an SDE window, or every edge of a tree. With grpo.replay (OP-GRPO, grpo/replay.py) it owns a replay buffer: one
+extra update block of past trajectories a step, what each step leaves in the buffer, its checkpoint state and cost.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from grpo import health, replay
 from grpo.errors import ConfigError
-from grpo import replay
 from grpo.loss import RatioNorm, grpo_loss
-from grpo.objectives.base import Models, Objective
-from grpo.replay import ReplaySettings
+from grpo.objectives.base import ExtraBlocks, Models, Objective, PlanTerms
+from grpo.replay import Replay, ReplaySettings
 from grpo.schema import setting
 from grpo.sde import kl_same_std, log_prob_gain
 from grpo.windows import trainable_range
@@ -64,9 +65,8 @@ class GRPO(Objective):
 
     def __init__(self, cfg: RecipeConfig) -> None:
         super().__init__(cfg)
-        self.keep_means = self.settings.ratio_norm
-        self.ratio_clip = self.settings.clip_range
-        self.replay = self.settings.replay
+        r = self.settings.replay
+        self.replay = Replay(r, cfg) if r is not None else None  # OP-GRPO's, the same on every rank; None: off
 
     @classmethod
     def check(cls, cfg: RecipeConfig) -> None:
@@ -102,6 +102,45 @@ class GRPO(Objective):
 
     def trained_per_trajectory(self, num_steps: int) -> int:
         return trained_transitions(num_steps, self.settings.timestep_fraction)
+
+    def rollout_records(self) -> dict[str, bool]:
+        return {"keep_means": self.settings.ratio_norm}  # GRPO-Guard's RatioNorm compares the rollout's SDE means
+
+    def health_line(self, step: int, stats: dict[str, float]) -> str:
+        return health.health_line(step, stats, self.settings.clip_range)  # warns when the first-pass ratio drifts
+
+    def plan_terms(self) -> PlanTerms:
+        r = self.settings.replay
+        return PlanTerms(lagging_average=False, latents_per_point=0, reference_phase=self.kl_coef > 0,
+                         kept_trajectories=r.size if r else 0, kept_transitions=r.truncate if r else 0)
+
+    def extra_forwards_per_image(self, step: int, blocks: int | None = None) -> float:
+        if self.replay is None:
+            return 0.0
+        blocks = self.replay.expected_blocks(step) if blocks is None else blocks
+        k = self.trained_per_trajectory(self.cfg.sampling.num_steps)  # replay needs no window nor tree
+        return blocks * self.replay.forwards_per_image(k, self.forwards_per_point()) if blocks else 0.0
+
+    # ----------------------------------------------------------------------------------------- replay
+    def extra_blocks(self, models: Models, step: int) -> ExtraBlocks:
+        """With replay, the replay block once the buffer holds one (grpo.replay.Replay.block); its ratio is to the
+        no-grad pass just before it, so its first pass is exactly 1 too. Its stats are "replay/*"."""
+        if self.replay is None:
+            return ExtraBlocks()
+        chunks, stats = self.replay.block(models, step, lambda c: self.fixed_targets(models, c, step))
+        return ExtraBlocks("replay", chunks, stats)
+
+    def remember(self, models: Models, step: int, chunks: list[Chunk], advantages: torch.Tensor) -> None:
+        """Collective with replay: the step's best positive-advantage trajectories enter the buffer."""
+        if self.replay is not None:
+            self.replay.remember(models, step, chunks, advantages)
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        return (self.replay.buffer.state() if self.replay is not None else {}), {}
+
+    def load_state_dict(self, saved) -> None:
+        if self.replay is not None:  # a checkpoint without "replay/*" tensors (or written before): an empty buffer
+            self.replay.buffer.load(saved.rank0())
 
     @torch.no_grad()
     def fixed_targets(self, models: Models, chunks: list[Chunk], step: int) -> None:

@@ -1,7 +1,8 @@
 """Non-finite rewards, losses and gradients: the update is skipped on every rank, counted, logged, and training goes
 on; too many skips in a row save a checkpoint and stop with a clear error.
 
-One 2-process run through launch/run.sh with injected faults (GRPO_FAULT_INJECT, grpo/health.py) and faults.max_consecutive_skips=2:
+One 2-process run through launch/run.sh of the recipe with injected faults (RECIPE=tests/recipe/faulty_recipe.py,
+GRPO_FAULT_INJECT) and faults.max_consecutive_skips=2:
     step 0  NaN rewards on both ranks      -> update skipped (reward check)
     step 1  clean                          -> trained; the skip streak resets
     step 2  NaN loss on rank 1 only        -> DeepSpeed skips the optimizer step on both ranks (global grad norm)
@@ -31,6 +32,7 @@ def faulty_run(tmp_path_factory):
                      "faults.max_consecutive_skips=2", "data.eval_prompts=null", "logging.sample_every=0",
                      "logging.tensorboard=false", f"output_dir={out}", f"data.cache_dir={tmp / 'cache'}"],
                     tmp / "run.log", script_env({"GRPO_FAULT_INJECT": "nan_reward@0,nan_loss@2:1,nan_reward@3",
+                                                 "RECIPE": str(ROOT / "tests" / "recipe" / "faulty_recipe.py"),
                                                  "NPROC": "2", "MASTER_PORT": str(free_port())}))
     rc = run.wait(900)
     return {"rc": rc, "out": out, "log": run.log.read_text(errors="replace"), "rows": train_rows(out)}

@@ -13,10 +13,13 @@ import pytest
 import torch
 
 from grpo import checkpoint as ckpt
+from grpo.checkpoint import files as ckpt_files
+from grpo.checkpoint import damage as ckpt_damage
 from grpo import compat
 from grpo import health, rng
 from grpo.config import load_config, to_dict
 from grpo.ema import PREFIX, assemble
+from grpo.errors import ConfigError
 from grpo.metrics import MetricsLogger
 from tests import ROOT
 
@@ -29,7 +32,7 @@ def _checkpoint(root: Path, step: int, files: dict[str, bytes]) -> Path:
     for name, data in files.items():
         (path / name).write_bytes(data)
     meta = {"format": ckpt.FORMAT, "step": step, "world_size": 2, "lora": True, "ema": False, "config": {},
-            "files": {n: [len(d), ckpt._sha256(path / n)] for n, d in files.items()}}
+            "files": {n: [len(d), ckpt_damage._sha256(path / n)] for n, d in files.items()}}
     (path / "meta.json").write_text(json.dumps(meta))
     return path
 
@@ -62,7 +65,7 @@ def test_verify_detects_truncation_corruption_and_missing_files(tmp_path):
 def test_rank_shares_cover_every_file_once():
     names = [f"f{i}" for i in range(11)]
     for world in (1, 2, 3, 8):
-        shares = [ckpt._share(names, r, world) for r in range(world)]
+        shares = [ckpt_damage._share(names, r, world) for r in range(world)]
         assert sorted(n for s in shares for n in s) == sorted(names)
 
 
@@ -166,12 +169,14 @@ def test_skip_counter_and_fault_injection(monkeypatch):
     c = health.SkipCounter(limit=2)
     assert [c.record(s) for s in (True, False, True, True)] == [False, False, False, True]
     assert (c.consecutive, c.total) == (2, 3)
-    monkeypatch.setenv(health.FAULT_ENV, "nan_reward@2,nan_loss@3:1")
+    from tests.recipe.faulty_recipe import FAULT_ENV, inject  # the fault tests' recipe (tests/recipe/test_faults.py)
+
+    monkeypatch.setenv(FAULT_ENV, "nan_reward@2,nan_loss@3:1")
     x = torch.ones(3, requires_grad=True)
-    assert torch.isnan(health.inject("nan_reward", 2, 0, x)).all()
-    assert torch.equal(health.inject("nan_reward", 1, 0, x), x)
-    assert torch.equal(health.inject("nan_loss", 3, 0, x), x) and torch.isnan(health.inject("nan_loss", 3, 1, x)).all()
-    monkeypatch.delenv(health.FAULT_ENV)
+    assert torch.isnan(inject("nan_reward", 2, 0, x)).all()
+    assert torch.equal(inject("nan_reward", 1, 0, x), x)
+    assert torch.equal(inject("nan_loss", 3, 0, x), x) and torch.isnan(inject("nan_loss", 3, 1, x)).all()
+    monkeypatch.delenv(FAULT_ENV)
     line = health.health_line(4, {"reward_mean": 0.5, "loss": 1e-6, "ratio_max_dev": 0.0, "clip_frac": 0.0,
                                   "grad_norm": float("inf"), "kl": 0.0, "nonfinite/tiny_world": 4.0,
                                   "nonfinite/loss": 1.0, "skipped_updates": 1.0, "step_time_s": 2.0})
@@ -202,7 +207,7 @@ def test_resume_auto_with_every_checkpoint_damaged_stops_instead_of_restarting(t
     (bad / "zero_pp_rank_0_optim_states.pt").write_bytes(b"y" * 64)  # same size, other content
     assert ckpt.newest_valid(tmp_path / "checkpoints", check=ckpt.structure) == bad  # start-up checks do not hash
     for _ in range(2):
-        with pytest.raises(ckpt.ConfigError, match="only damaged ones .*checkpoint.resume=null"):
+        with pytest.raises(ConfigError, match="only damaged ones .*checkpoint.resume=null"):
             ckpt.resume_point(cfg, 2)
     assert [p.name.startswith(".invalid-step_00000002") for p in (tmp_path / "checkpoints").iterdir()] == [True]
 
@@ -228,7 +233,7 @@ def test_the_recipe_refuses_before_moving_anything_and_sets_aside_after_the_lock
     root = tmp_path / "checkpoints"
     bad = _checkpoint(root, 2, {"zero_pp_rank_0_optim_states.pt": b"x" * 64})
     (bad / "zero_pp_rank_0_optim_states.pt").write_bytes(b"y" * 64)
-    with pytest.raises(ckpt.ConfigError, match="only damaged ones \\(1\\); resuming"):
+    with pytest.raises(ConfigError, match="only damaged ones \\(1\\); resuming"):
         ckpt.resume_point(cfg, 2, move_aside=False)
     assert [p.name for p in root.iterdir()] == [bad.name]
     good = _checkpoint(root, 1, {"zero_pp_rank_0_optim_states.pt": b"x" * 64})
@@ -253,22 +258,22 @@ def test_a_write_the_file_system_refuses_during_a_save_is_one_line_naming_the_pa
     (root / ckpt.LATEST).write_text(ckpt.checkpoint_name(1))
     name = ckpt.checkpoint_name(2)
     f = root / f".tmp-{name}" / "meta.json"
-    with pytest.raises(OutsideFailure) as e, ckpt._disk_full(root, name):
+    with pytest.raises(OutsideFailure) as e, ckpt_files._disk_full(root, name):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(f))
     line = str(e.value)
     assert line.startswith(f"output_dir: cannot write {f} (checkpoint {name}): Read-only file system (EROFS); "
                            f"the previous checkpoint {root / ckpt.checkpoint_name(1)} is intact.")
     assert line.endswith("then rerun with checkpoint.resume=auto") and "\n" not in line and e.value.code == 1
     torch_says = RuntimeError(f"Parent directory {f.parent} does not exist.")
-    with pytest.raises(RuntimeError, match="Parent directory"), ckpt._disk_full(root, name):
+    with pytest.raises(RuntimeError, match="Parent directory"), ckpt_files._disk_full(root, name):
         raise torch_says  # the disk takes a probe file: not the file system's doing
-    with pytest.raises(ValueError), ckpt._disk_full(root, name):
+    with pytest.raises(ValueError), ckpt_files._disk_full(root, name):
         raise ValueError("not a write")
 
     def refuse(*args, **kwargs):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(root / "tmpXYZ"))
 
     monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
-    with pytest.raises(OutsideFailure) as e, ckpt._disk_full(root, name):
+    with pytest.raises(OutsideFailure) as e, ckpt_files._disk_full(root, name):
         raise torch_says
     assert str(e.value).startswith(f"output_dir: cannot write {root} (checkpoint {name}): Permission denied (EACCES)")

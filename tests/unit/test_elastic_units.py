@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from grpo import checkpoint as ckpt
+from grpo.checkpoint import universal
 from grpo import compat
 from grpo.config import load_config, to_dict
 from grpo.ema import ShardedEMA
@@ -169,27 +170,28 @@ def test_conversion_goes_next_to_the_run_and_is_reused_for_the_same_checkpoint(t
         (out / "zero").mkdir(parents=True)
         return SimpleNamespace(returncode=0)
 
-    monkeypatch.setattr(ckpt.subprocess, "run", fake_ds_to_universal)
+    monkeypatch.setattr(universal.subprocess, "run", fake_ds_to_universal)
     c = _checkpointer(tmp_path)
     c.root.mkdir(parents=True)
-    folder = c._universal(source)
+    folder = universal.converted(c.root, source, c.world, c.rank)
     assert folder == c.root / f".universal-{source.name}" and (folder / source.name / "zero").is_dir()
     assert calls and calls[0][1:3] == ["-m", "deepspeed.checkpoint.ds_to_universal"]
-    assert c._universal(source) == folder and len(calls) == 1  # a rerun on the same count converts nothing
+    again = universal.converted(c.root, source, c.world, c.rank)
+    assert again == folder and len(calls) == 1  # a rerun on the same count converts nothing
     assert snapshot(source.parent) == before  # the source checkpoint (and its run) are untouched
     (source / ckpt.META).write_text((source / ckpt.META).read_text() + " ")  # another checkpoint of that step
-    c._universal(source)
+    universal.converted(c.root, source, c.world, c.rank)
     assert len(calls) == 2
 
 
 def test_a_failed_conversion_names_its_log_and_leaves_no_usable_folder(tmp_path, monkeypatch):
     source = _source(tmp_path)
-    monkeypatch.setattr(ckpt.subprocess, "run", lambda cmd, stdout, **kw: (stdout.write("boom\n"),
+    monkeypatch.setattr(universal.subprocess, "run", lambda cmd, stdout, **kw: (stdout.write("boom\n"),
                                                                            SimpleNamespace(returncode=1))[1])
     c = _checkpointer(tmp_path)
     c.root.mkdir(parents=True)
     with pytest.raises(RuntimeError, match=r"ds_to_universal failed on .*\(exit 1\).*convert.log"):
-        c._universal(source)
+        universal.converted(c.root, source, c.world, c.rank)
     assert not (c.root / f".universal-{source.name}").exists()
 
 
@@ -213,17 +215,18 @@ def test_a_conversion_that_cannot_fit_is_refused_before_it_starts(tmp_path, monk
                      "zero_pp_rank_1_mp_rank_00_optim_states.pt": [3 << 20, "0" * 64]}  # 6 MiB
     (source / ckpt.META).write_text(json.dumps(meta))
     calls, asked = [], []
-    monkeypatch.setattr(ckpt.subprocess, "run", lambda cmd, **kw: (calls.append(cmd), SimpleNamespace(returncode=1))[1])
+    monkeypatch.setattr(universal.subprocess, "run",
+                        lambda cmd, **kw: (calls.append(cmd), SimpleNamespace(returncode=1))[1])
 
     def disk_usage(path):
         asked.append(Path(path))
         return SimpleNamespace(total=1 << 30, used=0, free=free)
 
-    monkeypatch.setattr(ckpt.shutil, "disk_usage", disk_usage)
+    monkeypatch.setattr(universal.shutil, "disk_usage", disk_usage)
     c = _checkpointer(tmp_path)
     free = 11 << 20  # 11 MiB < 12 MiB needed
     with pytest.raises(OutsideFailure) as e:
-        c._universal(source)
+        universal.converted(c.root, source, c.world, c.rank)
     line = str(e.value)
     assert line == (f"checkpoint.resume: converting {source} (written by 2 processes) for this run's 1 needs about "
                     f"12.0 MiB free under {c.root} (2 x the checkpoint: DeepSpeed's ds_to_universal), 11.0 MiB free; "
@@ -233,5 +236,5 @@ def test_a_conversion_that_cannot_fit_is_refused_before_it_starts(tmp_path, monk
     assert asked == [tmp_path]  # output_dir does not exist yet: the disk it will be made on
     free = 12 << 20
     with pytest.raises(RuntimeError, match="ds_to_universal failed"):  # past the check: the stand-in fails
-        c._universal(source)
+        universal.converted(c.root, source, c.world, c.rank)
     assert len(calls) == 1

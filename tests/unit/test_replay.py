@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from grpo import replay
+from grpo.checkpoint import Saved
 from grpo.config import load_config
 from grpo.errors import ConfigError
 from grpo.loss import grpo_loss
+from grpo.objectives import objective_of
 from grpo.replay import ReplayBuffer
 from grpo.rollout_plan import RolloutPlan
 from tests import ROOT
@@ -113,6 +115,10 @@ def test_the_preset_and_its_cost():
     assert plan.forwards_per_image(0) == 6 + 3 * 3  # the on-policy step is grpo's
     # a replay block of 32 of the step's 64 images: 4 no-grad forwards of the weight + 3 trained transitions each
     assert replay.forwards_per_image(4, 3, plan.objective.forwards_per_point(), 32, 64) == 32 * (4 + 9) / 64
+    # in the plan, one cost model: expected from step 2 (16 entries a step fill a block of 32), or as many as ran
+    assert [plan.forwards_per_image(s) for s in (1, 2)] == [15, 15 + 32 * (4 + 9) / 64]
+    assert plan.forwards_per_image(2, extra_blocks=0) == 15 and plan.forwards_per_image(1, extra_blocks=1) == 21.5
+    assert (plan.objective.plan_terms().kept_trajectories, plan.objective.plan_terms().kept_transitions) == (64, 4)
     assert load_config(TINY_PRESETS / "grpo_lora.yaml").grpo.replay is None  # off by default
 
 
@@ -140,3 +146,22 @@ def test_bad_replay_settings_are_one_line_errors(preset, overrides, needle):
         load_config(preset, overrides)
     assert str(e.value).startswith(needle), str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_the_grpo_objective_owns_the_buffer_its_checkpoint_state_and_its_health_line():
+    """Replay is the grpo objective's (grpo/objectives/base.py's hooks): its state round-trips through a checkpoint's
+    rank-0 tensors under the same "replay/*" names as before; another objective's hooks do nothing."""
+    grpo = objective_of(load_config(OPGRPO))
+    latents, log_probs = _entries(3, 0.5, steps=5)
+    grpo.replay.buffer.add(latents, log_probs, torch.tensor([0.1, 0.2, 0.3]), [5, 6, 7], born=4)
+    tensors, meta = grpo.state_dict()
+    assert set(tensors) == {f"replay/{k}" for k in ReplayBuffer.KEYS} and meta == {} and grpo.replicated
+    again = objective_of(load_config(OPGRPO))
+    again.load_state_dict(Saved(tensors, [], resharded=False, rank=0))
+    assert all(torch.equal(again.state_dict()[0][k], v) for k, v in tensors.items())
+    nft = objective_of(load_config(TINY_PRESETS / "nft_lora.yaml"))
+    assert nft.state_dict() == ({}, {}) and nft.extra_forwards_per_image(10) == 0.0 and nft.rollout_records() == {}
+    assert nft.extra_blocks(None, 3).chunks == [] and nft.remember(None, 3, [], torch.ones(2)) is None
+    drifting = {"ratio_max_dev": 1e-3}  # over 10% of grpo's clip_range 1e-4
+    assert "WARNING" in grpo.health_line(1, drifting) and "WARNING" not in nft.health_line(1, drifting)
+    assert objective_of(load_config(OPGRPO, ["grpo.replay=null"])).state_dict() == ({}, {})

@@ -82,18 +82,22 @@ def test_the_trained_points_are_the_objectives_draw():
 
 def test_the_recipe_does_not_branch_on_the_objective():
     """The recipe holds one objective and never asks which one it is: no `algorithm`, no objective's section and
-    no objective's name appear in its code (docstrings aside)."""
+    no objective's name appear in its code (docstrings aside), nor grpo's replay (the objective's extra block)."""
     source = (ROOT / "recipes" / "flux_grpo.py").read_text()
     tree = ast.parse(source)
     docstrings = {id(n.body[0].value) for n in ast.walk(tree)
                   if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef)) and n.body
                   and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
-    names = set(OBJECTIVES) | {"algorithm", "matching"}
+    names = set(OBJECTIVES) | {"algorithm", "matching", "replay", "buffer"}  # replay: the grpo objective's own
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
             assert node.attr not in names, f"line {node.lineno}: .{node.attr}"
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
             assert node.value not in names, f"line {node.lineno}: {node.value!r}"
+            assert "replay" not in node.value, f"line {node.lineno}: {node.value!r}"
+        if isinstance(node, (ast.Name, ast.FunctionDef, ast.alias)):
+            name = getattr(node, "id", None) or getattr(node, "name", None)
+            assert name not in names and "replay" not in name, f"line {node.lineno}: {name}"
 
 
 def test_awm_draws_its_noise_levels_as_awm():
