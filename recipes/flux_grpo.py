@@ -18,7 +18,7 @@ One step (`step()`, which the training loop, the tools and the tests all run) re
     log/save   health line, metrics.jsonl, TensorBoard, reward curve, sample grids, held-out eval every N steps,
                a resumable checkpoint every N steps, and finally a LoRA or a full transformer export
 
-Features and the settings that control them (see grpo/config.py for every key):
+Features and the settings that control them (every key with its help: python -m tools.check --help):
     full fine-tune or LoRA ........ lora: null | {rank, alpha, target_modules}
     KL to a reference ............. <objective>.kl_coef (0 = no reference model at all); LoRA: adapters disabled;
                                     full: a second ZeRO-3 engine without optimizer
