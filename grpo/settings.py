@@ -143,6 +143,14 @@ class SamplingConfig:
                             "coefficients-preserving sampling, eta = noise level in (0, 1] (Flow-GRPO's CPS)")
     shift: float | str = setting(help="static SD3 time shift, or dynamic for diffusers' resolution-dependent shift")
     guidance: float = setting(help="FLUX.1-dev distilled guidance embedding")
+    cfg_scale: float | None = setting(
+        None, help="true classifier-free guidance w: every velocity (rollout, the update's recomputation, lagging "
+                   "policy, reference, evals) is neg + w * (cond - neg), both branches in one batched forward, as "
+                   "Flux2KleinPipeline's guidance_scale on a non-distilled model (4.0 there); null = off (one "
+                   "conditional forward); grpo only, models without a guidance embedding only")
+    negative_prompt: str = setting(
+        "", help="cfg_scale's negative prompt, encoded once like the prompts (Flux2KleinPipeline's is \"\"); "
+                 "unused while cfg_scale is null")
     group_size: int = setting(help="images per prompt (G), at least 2")
     init_same_noise: bool = setting(help="a group shares its initial noise (DanceGRPO's init_same_noise)")
     window: WindowConfig | None = setting(

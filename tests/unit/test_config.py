@@ -364,3 +364,28 @@ def test_every_preset_asks_for_deterministic_kernels():
     for preset in PRESETS:
         assert load_config(preset, _prompts(preset)).model.deterministic is True, preset
     assert load_config(PRESETS[0], [*_prompts(PRESETS[0]), "model.deterministic=false"]).model.deterministic is False
+
+
+@pytest.mark.parametrize("preset, overrides, message", [
+    ("tiny_flux2/grpo_lora.yaml", ["sampling.cfg_scale=1.0"],
+     "sampling.cfg_scale: 1.0 is no guidance (the pipelines guide only above 1); use e.g. 4.0 (Flux2KleinPipeline's "
+     "default), or null for off"),
+    ("tiny_flux2/nft_lora.yaml", ["sampling.cfg_scale=4.0"],
+     "sampling.cfg_scale: 4.0, but true CFG is built for grpo only, not nft; set sampling.cfg_scale=null"),
+])
+def test_true_cfg_refuses_what_it_cannot_do(preset, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "recipes/configs" / preset, overrides)
+    assert str(e.value) == message
+
+
+def test_true_cfg_is_refused_on_a_guidance_distilled_model():
+    """FLUX.1-dev, Kontext and FLUX.2 [dev] keep their guidance embedding; true CFG on them is refused (see
+    grpo.inputs.check_guidance for what their pipelines allow)."""
+    from grpo.inputs import check_guidance
+    from tests import TINY, TINY_FLUX2
+
+    check_guidance(str(TINY_FLUX2), 1.0, 4.0)
+    with pytest.raises(ConfigError, match=r"^sampling.cfg_scale: 4.0, but .* is guidance-distilled .* set "
+                                          r"sampling.cfg_scale=null$"):
+        check_guidance(str(TINY), 3.5, 4.0)
