@@ -43,6 +43,21 @@ class SDEParams:
                         prev_sample=prev_sample, sigma_max=float(sigmas[1]))
 
 
+def guided(velocity: Velocity, scale: float) -> Velocity:
+    """True classifier-free guidance (sampling.cfg_scale = w): neg + w * (cond - neg), as Flux2KleinPipeline combines
+    its branches, both branches in one batched call on [x; x] (diffusers' pipelines concatenate on the batch
+    dimension; Flux2KleinPipeline makes two calls: on the tiny FLUX.2 in fp32 its images at w = 4 differ from ours by
+    at most 9.1e-6, from two calls' by 0.0, the batch size changing the kernels' rounding). The
+    rollout, the update's recomputation, the reference and the evals all call this, so grpo's log-probs are those of
+    the guided transition and the first-pass ratio stays exactly 1. The branches are combined in float32."""
+
+    def v(x: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        pos, neg = velocity(torch.cat([x, x]), torch.cat([t, t]), cond.with_negative()).chunk(2)
+        return neg + scale * (pos - neg)
+
+    return v
+
+
 def timestep(sigmas: torch.Tensor, i: int, batch: int) -> torch.Tensor:
     """The transformer's timestep input for step i, built like FluxPipeline builds it (t*1000, then /1000): sigma_i.
 
@@ -219,12 +234,26 @@ class FluxSampler:
         return self if steps is None or steps == self.sampling.num_steps else self.with_steps(steps)
 
     def conditioning(self, cache: PromptCache, prompt_idx: list[int]) -> Conditioning:
-        return self.family.conditioning(cache.rows(prompt_idx), self.latent_size, self.sampling.guidance,
-                                        self.guidance_embeds, self.device, self.dtype)
+        rows = cache.rows(prompt_idx)
+        cond = self.family.conditioning(rows, self.latent_size, self.sampling.guidance, self.guidance_embeds,
+                                        self.device, self.dtype)
+        if self.sampling.cfg_scale is None:
+            return cond
+        if cache.negative is None:
+            raise RuntimeError("sampling.cfg_scale without the negative prompt's embeddings: load the prompt cache "
+                               "with them (grpo.prompts.load_cache(..., negative=ensure_negative(...)))")
+        # Every row's negative is the one negative prompt, with the row's own reference images (the pipelines pass
+        # the image to both branches).
+        neg = {k: v.expand(len(prompt_idx), *v.shape[1:]) for k, v in cache.negative.items()}
+        neg.update({k: v for k, v in rows.items() if k == "ref_latents"})
+        return dataclasses.replace(cond, negative=self.family.conditioning(
+            neg, self.latent_size, self.sampling.guidance, self.guidance_embeds, self.device, self.dtype))
 
     def velocity(self, model: torch.nn.Module) -> Velocity:
-        """`model` called as the family's pipeline calls its transformer."""
-        return self.family.velocity_of(model)
+        """`model` called as the family's pipeline calls its transformer; with sampling.cfg_scale, the guided
+        velocity (:func:`guided`). Without it the conditional call alone, not one operation more."""
+        v = self.family.velocity_of(model)
+        return v if self.sampling.cfg_scale is None else guided(v, self.sampling.cfg_scale)
 
     def initial_latents(self, step: int, keys: list[int], stream: int = INIT_NOISE) -> torch.Tensor:
         """Packed float32 starting noise [B, S, C], one pure function of (seed, step, key, stream) per row."""

@@ -43,13 +43,32 @@ class Conditioning:
     # FLUX.2: T = 10, 20, ...); None for text to image.
     ref_latents: torch.Tensor | None = None  # [B, Sr, C] in the model's dtype
     ref_ids: torch.Tensor | None = None  # [Sr, 3] or [Sr, 4], shared by the rows as img_ids is
+    # True CFG (sampling.cfg_scale): the same rows conditioned on the negative prompt (same ids and reference
+    # images, as the pipelines' unconditional branch); None without CFG.
+    negative: "Conditioning | None" = None
 
     def select(self, rows: slice | torch.Tensor) -> "Conditioning":
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[rows]
 
         return replace(self, prompt_embeds=self.prompt_embeds[rows], guidance=pick(self.guidance),
-                       pooled=pick(self.pooled), ref_latents=pick(self.ref_latents))
+                       pooled=pick(self.pooled), ref_latents=pick(self.ref_latents),
+                       negative=None if self.negative is None else self.negative.select(rows))
+
+    def with_negative(self) -> "Conditioning":
+        """The rows, then their negative rows: true CFG's two branches as one batch of 2B rows, as diffusers'
+        pipelines batch them (the token ids are shared: the negative prompt is padded to the prompts' length)."""
+        neg = self.negative
+        if neg.prompt_embeds.shape[1:] != self.prompt_embeds.shape[1:]:
+            raise RuntimeError(f"negative prompt embeddings {tuple(neg.prompt_embeds.shape)} do not match the "
+                               f"prompts' {tuple(self.prompt_embeds.shape)}: encode both at one max_sequence_length")
+
+        def cat(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+            return None if a is None else torch.cat([a, b])
+
+        return replace(self, prompt_embeds=cat(self.prompt_embeds, neg.prompt_embeds),
+                       guidance=cat(self.guidance, neg.guidance), pooled=cat(self.pooled, neg.pooled),
+                       ref_latents=cat(self.ref_latents, neg.ref_latents), negative=None)
 
 
 @dataclass

@@ -48,6 +48,38 @@ def test_ode_rollout_reproduces_flux2_klein_pipeline(setup):
     torch.testing.assert_close(ours, expected.float(), atol=1e-5, rtol=0)
 
 
+def test_ode_rollout_with_true_cfg_reproduces_flux2_klein_pipeline_at_guidance_4(setup, tmp_path):
+    """sampling.cfg_scale=4 on the non-distilled tiny FLUX.2: Flux2KleinPipeline's true CFG at its default
+    guidance_scale 4.0, negative prompt "" (encoded here through the recipe's cache, there by the pipeline), the two
+    branches one batched call here, two calls there. Without CFG the same rollout is another image."""
+    import dataclasses
+
+    from grpo.prompts import ensure_negative, load_cache, save_cache
+
+    cfg, parts, sampler, cache = setup
+    s = dataclasses.replace(cfg.sampling, cfg_scale=4.0)
+    guided = FluxSampler.from_parts(parts, parts.vae, s, cfg.seed, torch.device("cpu"), torch.float32)
+    data = dataclasses.replace(cfg.data, cache_dir=str(tmp_path))
+    save_cache(cache, tmp_path / "prompts.safetensors")
+    cfg_cache = load_cache(tmp_path / "prompts.safetensors",
+                           negative=ensure_negative(str(TINY_FLUX2), s, data, torch.device("cpu")))
+    assert cfg_cache.negative["prompt_embeds"].shape == (1, *cache.embeds["prompt_embeds"].shape[1:])
+    ids = list(range(len(PROMPTS)))
+    init = guided.initial_latents(0, ids)
+    ours = guided.decode(guided.sample(parts.transformer, guided.conditioning(cfg_cache, ids), init, eta=0.0).x0)
+    side = guided.latent_size // 2
+    noise = init.cpu().permute(0, 2, 1).reshape(len(ids), -1, side, side)
+    pipe = Flux2KleinPipeline.from_pretrained(str(TINY_FLUX2), dtype=torch.float32)
+    assert pipe.config.is_distilled is False
+    with torch.no_grad():
+        expected = pipe(prompt=PROMPTS, latents=noise, height=64, width=64, num_inference_steps=s.num_steps,
+                        guidance_scale=4.0, max_sequence_length=cfg.data.max_sequence_length,
+                        output_type="pt").images
+    torch.testing.assert_close(ours, expected.float(), atol=1e-5, rtol=0)
+    plain = sampler.decode(sampler.sample(parts.transformer, sampler.conditioning(cache, ids), init, eta=0.0).x0)
+    assert (plain - expected).abs().max() > 0.05
+
+
 def test_the_encoding_is_the_pipelines_at_the_presets_length(setup):
     cfg, parts, sampler, cache = setup
     pipe = Flux2KleinPipeline.from_pretrained(str(TINY_FLUX2), transformer=None, vae=None, dtype=torch.float32)
