@@ -203,3 +203,29 @@ def test_a_flux2_dataset_gives_every_row_as_many_images(tmp_path):
         FLUX2_KLEIN.check_references(read_prompt_set(tmp_path / "mixed.jsonl"), "data.train_prompts", "m.jsonl",
                                      str(TINY_FLUX2))
     FLUX2_KLEIN.check_references(read_prompt_set(EDITS), "data.train_prompts", str(EDITS), str(TINY_FLUX2))
+
+
+def test_true_cfg_keeps_the_first_pass_ratio_exactly_1_on_every_transition(setup):
+    """grpo with sampling.cfg_scale: the rollout records the guided transition's log-prob, and the update's
+    recomputation (FluxSampler.transition, which the update, the reference and replay call) gives it back bit for bit
+    on every transition: the ratio is exactly 1 with the gradient on, as the update runs it. Without CFG the sampler's
+    velocity is the family's own call, nothing added."""
+    import dataclasses
+
+    cfg, parts, sampler, cache = setup
+    assert sampler.velocity(parts.transformer).func == FLUX2_KLEIN.velocity  # cfg off: not one operation more
+    s = dataclasses.replace(cfg.sampling, cfg_scale=4.0)
+    guided = FluxSampler.from_parts(parts, parts.vae, s, cfg.seed, torch.device("cpu"), torch.float32)
+    negative = FLUX2_KLEIN.encode_prompts(str(TINY_FLUX2), [""], cfg.data.max_sequence_length, torch.device("cpu"))
+    ids = [0, 0, 1, 1]
+    cond = guided.conditioning(PromptCache(cache.prompts, cache.embeds, negative=negative), ids)
+    assert cond.negative.prompt_embeds.shape == cond.prompt_embeds.shape
+    gens = [torch.Generator().manual_seed(300 + k) for k in range(len(ids))]
+    traj = guided.sample(parts.transformer, cond, guided.initial_latents(0, ids), gens)
+    plain = sampler.sample(parts.transformer, sampler.conditioning(cache, ids), guided.initial_latents(0, ids),
+                           [torch.Generator().manual_seed(300 + k) for k in range(len(ids))])
+    assert not torch.equal(traj.log_probs, plain.log_probs)  # the guided transitions are other transitions
+    for j in range(s.num_steps):
+        out = guided.transition(parts.transformer, cond, traj.latents, j)
+        assert out.log_prob.requires_grad and torch.equal(out.log_prob.detach(), traj.log_probs[:, j]), j
+        assert torch.equal(torch.exp(out.log_prob.detach() - traj.log_probs[:, j]), torch.ones(len(ids)))
