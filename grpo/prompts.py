@@ -62,8 +62,8 @@ class PromptCache:
     # (grpo/references.py); None for a dataset without images
     references: torch.Tensor | None = None
     reference_index: torch.Tensor | None = None
-    # True CFG's negative prompt (sampling.negative_prompt), encoded like the prompts: its embeddings [1, ...], shared
-    # by every row; None while sampling.cfg_scale is off
+    # True CFG's negative prompt (sampling.true_cfg.negative_prompt), encoded like the prompts: its embeddings
+    # [1, ...], shared by every row; None while sampling.true_cfg is off
     negative: dict[str, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
@@ -145,10 +145,11 @@ def ensure_cache(model_path: str, prompt_file: str, setting: str, data: DataConf
 def ensure_negative(model_path: str, sampling: SamplingConfig, data: DataConfig, device: torch.device) -> Path | None:
     """The cache of true CFG's negative prompt, a one-prompt cache encoded like the prompts (Flux2KleinPipeline
     encodes its "" with the prompts' encode_prompt and max_sequence_length), encoding it first if it is not there
-    yet; None while sampling.cfg_scale is off."""
-    if sampling.cfg_scale is None:
+    yet; None while sampling.true_cfg is off."""
+    if sampling.true_cfg is None:
         return None
-    return _ensure(model_path, [sampling.negative_prompt], "negative", "sampling.negative_prompt", data, device)
+    return _ensure(model_path, [sampling.true_cfg.negative_prompt], "negative", "sampling.true_cfg.negative_prompt",
+                   data, device)
 
 
 def _ensure(model_path: str, prompts: list[str], stem: str, source: str, data: DataConfig,

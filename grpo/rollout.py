@@ -44,7 +44,7 @@ class SDEParams:
 
 
 def guided(velocity: Velocity, scale: float) -> Velocity:
-    """True classifier-free guidance (sampling.cfg_scale = w): neg + w * (cond - neg), as Flux2KleinPipeline combines
+    """True classifier-free guidance (sampling.true_cfg, its scale w): neg + w * (cond - neg), as Flux2KleinPipeline combines
     its branches, both branches in one batched call on [x; x] (diffusers' pipelines concatenate on the batch
     dimension; Flux2KleinPipeline makes two calls: on the tiny FLUX.2 in fp32 its images at w = 4 differ from ours by
     at most 9.1e-6, from two calls' by 0.0, the batch size changing the kernels' rounding). The
@@ -237,10 +237,10 @@ class FluxSampler:
         rows = cache.rows(prompt_idx)
         cond = self.family.conditioning(rows, self.latent_size, self.sampling.guidance, self.guidance_embeds,
                                         self.device, self.dtype)
-        if self.sampling.cfg_scale is None:
+        if self.sampling.true_cfg is None:
             return cond
         if cache.negative is None:
-            raise RuntimeError("sampling.cfg_scale without the negative prompt's embeddings: load the prompt cache "
+            raise RuntimeError("sampling.true_cfg without the negative prompt's embeddings: load the prompt cache "
                                "with them (grpo.prompts.load_cache(..., negative=ensure_negative(...)))")
         # Every row's negative is the one negative prompt, with the row's own reference images (the pipelines pass
         # the image to both branches).
@@ -250,10 +250,10 @@ class FluxSampler:
             neg, self.latent_size, self.sampling.guidance, self.guidance_embeds, self.device, self.dtype))
 
     def velocity(self, model: torch.nn.Module) -> Velocity:
-        """`model` called as the family's pipeline calls its transformer; with sampling.cfg_scale, the guided
+        """`model` called as the family's pipeline calls its transformer; with sampling.true_cfg, the guided
         velocity (:func:`guided`). Without it the conditional call alone, not one operation more."""
         v = self.family.velocity_of(model)
-        return v if self.sampling.cfg_scale is None else guided(v, self.sampling.cfg_scale)
+        return v if self.sampling.true_cfg is None else guided(v, self.sampling.true_cfg.scale)
 
     def initial_latents(self, step: int, keys: list[int], stream: int = INIT_NOISE) -> torch.Tensor:
         """Packed float32 starting noise [B, S, C], one pure function of (seed, step, key, stream) per row."""

@@ -43,7 +43,7 @@ class Conditioning:
     # FLUX.2: T = 10, 20, ...); None for text to image.
     ref_latents: torch.Tensor | None = None  # [B, Sr, C] in the model's dtype
     ref_ids: torch.Tensor | None = None  # [Sr, 3] or [Sr, 4], shared by the rows as img_ids is
-    # True CFG (sampling.cfg_scale): the same rows conditioned on the negative prompt (same ids and reference
+    # True CFG (sampling.true_cfg): the same rows conditioned on the negative prompt (same ids and reference
     # images, as the pipelines' unconditional branch); None without CFG.
     negative: "Conditioning | None" = None
 

@@ -10,6 +10,7 @@ from grpo.models import family_of
 from grpo.models.flux2 import FLUX2_KLEIN
 from grpo.prompts import PromptCache
 from grpo.rollout import FluxSampler
+from grpo.settings import TrueCFGConfig
 from tests import ROOT, TINY_FLUX2
 
 pytestmark = pytest.mark.skipif(not (TINY_FLUX2 / "model_index.json").exists(), reason="tiny FLUX.2 not built")
@@ -49,7 +50,7 @@ def test_ode_rollout_reproduces_flux2_klein_pipeline(setup):
 
 
 def test_ode_rollout_with_true_cfg_reproduces_flux2_klein_pipeline_at_guidance_4(setup, tmp_path):
-    """sampling.cfg_scale=4 on the non-distilled tiny FLUX.2: Flux2KleinPipeline's true CFG at its default
+    """sampling.true_cfg.scale=4 on the non-distilled tiny FLUX.2: Flux2KleinPipeline's true CFG at its default
     guidance_scale 4.0, negative prompt "" (encoded here through the recipe's cache, there by the pipeline), the two
     branches one batched call here, two calls there. Without CFG the same rollout is another image."""
     import dataclasses
@@ -57,7 +58,7 @@ def test_ode_rollout_with_true_cfg_reproduces_flux2_klein_pipeline_at_guidance_4
     from grpo.prompts import ensure_negative, load_cache, save_cache
 
     cfg, parts, sampler, cache = setup
-    s = dataclasses.replace(cfg.sampling, cfg_scale=4.0)
+    s = dataclasses.replace(cfg.sampling, true_cfg=TrueCFGConfig(scale=4.0))
     guided = FluxSampler.from_parts(parts, parts.vae, s, cfg.seed, torch.device("cpu"), torch.float32)
     data = dataclasses.replace(cfg.data, cache_dir=str(tmp_path))
     save_cache(cache, tmp_path / "prompts.safetensors")
@@ -206,7 +207,7 @@ def test_a_flux2_dataset_gives_every_row_as_many_images(tmp_path):
 
 
 def test_true_cfg_keeps_the_first_pass_ratio_exactly_1_on_every_transition(setup):
-    """grpo with sampling.cfg_scale: the rollout records the guided transition's log-prob, and the update's
+    """grpo with sampling.true_cfg: the rollout records the guided transition's log-prob, and the update's
     recomputation (FluxSampler.transition, which the update, the reference and replay call) gives it back bit for bit
     on every transition: the ratio is exactly 1 with the gradient on, as the update runs it. Without CFG the sampler's
     velocity is the family's own call, nothing added."""
@@ -214,7 +215,7 @@ def test_true_cfg_keeps_the_first_pass_ratio_exactly_1_on_every_transition(setup
 
     cfg, parts, sampler, cache = setup
     assert sampler.velocity(parts.transformer).func == FLUX2_KLEIN.velocity  # cfg off: not one operation more
-    s = dataclasses.replace(cfg.sampling, cfg_scale=4.0)
+    s = dataclasses.replace(cfg.sampling, true_cfg=TrueCFGConfig(scale=4.0))
     guided = FluxSampler.from_parts(parts, parts.vae, s, cfg.seed, torch.device("cpu"), torch.float32)
     negative = FLUX2_KLEIN.encode_prompts(str(TINY_FLUX2), [""], cfg.data.max_sequence_length, torch.device("cpu"))
     ids = [0, 0, 1, 1]

@@ -82,8 +82,7 @@ def _overrides(preset: str) -> list[str]:
 
 # Settings new since a8d41cc, in every preset at the value that keeps the run as it was (dotted key -> value).
 NEW_SETTINGS = {
-    "sampling.cfg_scale": None,  # new setting, off: true CFG (issue 53)
-    "sampling.negative_prompt": "",  # new setting, unused while cfg_scale is off
+    "sampling.true_cfg": None,  # new setting, off: true CFG (issue 53)
 }
 
 

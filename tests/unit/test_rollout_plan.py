@@ -129,7 +129,7 @@ def test_advantages_per_reward_or_of_the_mixed_reward():
 
 
 def test_true_cfg_counts_two_forward_equivalents_per_sampler_call():
-    """sampling.cfg_scale: each of the sampler's calls runs the conditional and the negative branch on twice the
+    """sampling.true_cfg: each of the sampler's calls runs the conditional and the negative branch on twice the
     rows, rollout and update alike, so grpo's plan costs twice as many forward-equivalents per image."""
     from grpo.models.flux2 import FLUX2_KLEIN
     from grpo.prompts import PromptCache
@@ -138,7 +138,7 @@ def test_true_cfg_counts_two_forward_equivalents_per_sampler_call():
     if not (TINY_FLUX2 / "model_index.json").exists():
         pytest.skip("tiny FLUX.2 not built")
     preset = ROOT / "recipes/configs/tiny_flux2/grpo_lora.yaml"
-    off, on = load_config(preset), load_config(preset, ["sampling.cfg_scale=4.0"])
+    off, on = load_config(preset), load_config(preset, ["sampling.true_cfg.scale=4.0"])
     for step in (0, 7):
         assert RolloutPlan.of(on).forwards_per_image(step) == 2 * RolloutPlan.of(off).forwards_per_image(step)
     parts = FLUX2_KLEIN.load_parts(str(TINY_FLUX2))
