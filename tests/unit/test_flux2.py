@@ -230,3 +230,16 @@ def test_true_cfg_keeps_the_first_pass_ratio_exactly_1_on_every_transition(setup
         out = guided.transition(parts.transformer, cond, traj.latents, j)
         assert out.log_prob.requires_grad and torch.equal(out.log_prob.detach(), traj.log_probs[:, j]), j
         assert torch.equal(torch.exp(out.log_prob.detach() - traj.log_probs[:, j]), torch.ones(len(ids)))
+
+    # BranchGRPO's trees: one guided call per node (the negative rows selected with their nodes), every edge exact
+    from grpo.rollout import sample, transition
+    from grpo.tree import Tree
+
+    tree, rows = Tree(splits=(0, 2), factor=2, noise_scale=2.0, num_steps=s.num_steps), [0] * 4 + [1] * 4
+    cond = guided.conditioning(PromptCache(cache.prompts, cache.embeds, negative=negative), rows)
+    velocity = guided.velocity(parts.transformer)
+    traj = sample(velocity, cond, guided.initial_latents(0, rows), guided.sigmas, guided.sde,
+                  [torch.Generator().manual_seed(300 + k) for k in range(len(rows))], tree=tree)
+    for j in tree.trained():
+        out = transition(velocity, cond, traj.latents, guided.sigmas, j, guided.sde, tree)
+        assert torch.equal(out.log_prob.detach(), traj.log_probs[tree.heads(len(rows), j + 1), j]), j
