@@ -44,10 +44,10 @@ class SDEParams:
 
 
 def guided(velocity: Velocity, scale: float) -> Velocity:
-    """True classifier-free guidance (sampling.true_cfg, its scale w): neg + w * (cond - neg), as Flux2KleinPipeline combines
-    its branches, both branches in one batched call on [x; x] (diffusers' pipelines concatenate on the batch
-    dimension; Flux2KleinPipeline makes two calls: on the tiny FLUX.2 in fp32 its images at w = 4 differ from ours by
-    at most 9.1e-6, from two calls' by 0.0, the batch size changing the kernels' rounding). The
+    """True classifier-free guidance (sampling.true_cfg, its scale w): neg + w * (cond - neg), as
+    Flux2KleinPipeline combines its branches, both in one batched call on [x; x] (diffusers' pipelines concatenate on
+    the batch dimension; Flux2KleinPipeline makes two calls: on the tiny FLUX.2 in fp32 its images at w = 4 differ
+    from ours by at most 9.1e-6 and from two calls' by 0.0, the batch size changing the kernels' rounding). The
     rollout, the update's recomputation, the reference and the evals all call this, so grpo's log-probs are those of
     the guided transition and the first-pass ratio stays exactly 1. The branches are combined in float32."""
 
