@@ -44,15 +44,17 @@ class SDEParams:
 
 
 def guided(velocity: Velocity, scale: float) -> Velocity:
-    """True classifier-free guidance (sampling.true_cfg, its scale w): neg + w * (cond - neg), as
-    Flux2KleinPipeline combines its branches, both in one batched call on [x; x] (diffusers' pipelines concatenate on
-    the batch dimension; Flux2KleinPipeline makes two calls: on the tiny FLUX.2 in fp32 its images at w = 4 differ
-    from ours by at most 9.1e-6 and from two calls' by 0.0, the batch size changing the kernels' rounding). The
+    """True classifier-free guidance (sampling.true_cfg, its scale w): neg + w * (cond - neg), combined in float32,
+    from two calls of the transformer on the same rows, as Flux2KleinPipeline makes them. Not one batched call on
+    [x; x] (diffusers' other pipelines concatenate): on the tiny FLUX.2 in fp32 the batch of 2B rows changed the
+    kernels' rounding enough to part from the pipeline's images by 9.1e-6 at w = 4, at the edge of the 1e-5 parity,
+    against 0.0 with two calls; whether one batched call is faster on an accelerator is still to be measured. The
     rollout, the update's recomputation, the reference and the evals all call this, so grpo's log-probs are those of
-    the guided transition and the first-pass ratio stays exactly 1. The branches are combined in float32."""
+    the guided transition and the first-pass ratio stays exactly 1."""
 
     def v(x: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-        pos, neg = velocity(torch.cat([x, x]), torch.cat([t, t]), cond.with_negative()).chunk(2)
+        pos = velocity(x, t, dataclasses.replace(cond, negative=None))
+        neg = velocity(x, t, cond.negative)
         return neg + scale * (pos - neg)
 
     return v

@@ -89,7 +89,7 @@ class RolloutPlan:
         if self.cfg.sampling.true_cfg is None:
             return total
         # True CFG: every transformer call of grpo (the only objective it is built for) is the sampler's guided
-        # velocity, its two branches one call on twice the rows: two forward-equivalents per image and call.
+        # velocity, its two branches two calls on the same rows: two forward-equivalents per image and velocity.
         return 2 * total
 
     def preview_calls(self) -> float:

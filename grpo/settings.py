@@ -152,7 +152,7 @@ class SamplingConfig:
     guidance: float = setting(help="FLUX.1-dev distilled guidance embedding")
     true_cfg: TrueCFGConfig | None = setting(
         None, help="true classifier-free guidance: every velocity (rollout, the update's recomputation, reference, "
-                   "evals) is neg + scale * (cond - neg), both branches in one batched forward, as Flux2KleinPipeline "
+                   "evals) is neg + scale * (cond - neg), the two branches two calls, as Flux2KleinPipeline "
                    "guides a non-distilled model; null = off (one conditional forward). grpo only; models without a "
                    "guidance embedding only")
     group_size: int = setting(help="images per prompt (G), at least 2")

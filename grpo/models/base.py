@@ -55,21 +55,6 @@ class Conditioning:
                        pooled=pick(self.pooled), ref_latents=pick(self.ref_latents),
                        negative=None if self.negative is None else self.negative.select(rows))
 
-    def with_negative(self) -> "Conditioning":
-        """The rows, then their negative rows: true CFG's two branches as one batch of 2B rows, as diffusers'
-        pipelines batch them (the token ids are shared: the negative prompt is padded to the prompts' length)."""
-        neg = self.negative
-        if neg.prompt_embeds.shape[1:] != self.prompt_embeds.shape[1:]:
-            raise RuntimeError(f"negative prompt embeddings {tuple(neg.prompt_embeds.shape)} do not match the "
-                               f"prompts' {tuple(self.prompt_embeds.shape)}: encode both at one max_sequence_length")
-
-        def cat(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-            return None if a is None else torch.cat([a, b])
-
-        return replace(self, prompt_embeds=cat(self.prompt_embeds, neg.prompt_embeds),
-                       guidance=cat(self.guidance, neg.guidance), pooled=cat(self.pooled, neg.pooled),
-                       ref_latents=cat(self.ref_latents, neg.ref_latents), negative=None)
-
 
 @dataclass
 class Parts:

@@ -52,7 +52,7 @@ def test_ode_rollout_reproduces_flux2_klein_pipeline(setup):
 def test_ode_rollout_with_true_cfg_reproduces_flux2_klein_pipeline_at_guidance_4(setup, tmp_path):
     """sampling.true_cfg.scale=4 on the non-distilled tiny FLUX.2: Flux2KleinPipeline's true CFG at its default
     guidance_scale 4.0, negative prompt "" (encoded here through the recipe's cache, there by the pipeline), the two
-    branches one batched call here, two calls there. Without CFG the same rollout is another image."""
+    branches two calls here as there. Without CFG the same rollout is another image."""
     import dataclasses
 
     from grpo.prompts import ensure_negative, load_cache, save_cache

@@ -129,8 +129,8 @@ def test_advantages_per_reward_or_of_the_mixed_reward():
 
 
 def test_true_cfg_counts_two_forward_equivalents_per_sampler_call():
-    """sampling.true_cfg: each of the sampler's calls runs the conditional and the negative branch on twice the
-    rows, rollout and update alike, so grpo's plan costs twice as many forward-equivalents per image."""
+    """sampling.true_cfg: each velocity of the sampler runs the conditional and the negative branch, two calls on
+    the same rows, rollout and update alike, so grpo's plan costs twice as many forward-equivalents per image."""
     from grpo.models.flux2 import FLUX2_KLEIN
     from grpo.prompts import PromptCache
     from tests import TINY_FLUX2
@@ -155,4 +155,4 @@ def test_true_cfg_counts_two_forward_equivalents_per_sampler_call():
     cond = sampler.conditioning(cache, [0, 0])
     traj = sampler.sample(RowCounting(parts.transformer), cond, sampler.initial_latents(0, [0, 1]),
                           [torch.Generator().manual_seed(k) for k in range(2)])
-    assert rows == [4] * traj.nfe  # 2 images, 2 branches each, in one call a step
+    assert rows == [2] * (2 * traj.nfe)  # 2 images, two calls a step: the conditional and the negative branch
