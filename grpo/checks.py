@@ -36,6 +36,12 @@ def validate(cfg: RecipeSettings) -> None:
         _positive(s.shift, "sampling.shift", "use a positive time shift such as 3.0")
     if s.guidance < 0:
         raise ConfigError(f"sampling.guidance: {s.guidance} is negative; FLUX.1-dev's distilled guidance is e.g. 3.5")
+    if s.true_cfg is not None and s.true_cfg.scale <= 1:
+        raise ConfigError(f"sampling.true_cfg.scale: {s.true_cfg.scale} is no guidance (the pipelines guide only "
+                          "above 1); use e.g. 4.0 (Flux2KleinPipeline's default), or sampling.true_cfg=null for off")
+    if s.true_cfg is not None and cfg.algorithm != "grpo":
+        # nft and awm may train the conditional or the guided velocity (issue 53, item 2): not chosen yet
+        raise ConfigError(f"sampling.true_cfg: built for grpo only, not {cfg.algorithm}; set sampling.true_cfg=null")
     if s.resolution % 16:
         raise ConfigError(f"sampling.resolution: {s.resolution} must be a multiple of 16 (VAE x 2x2 packing)")
     for key, value in (

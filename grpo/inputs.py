@@ -118,16 +118,27 @@ def check_lora_targets_on_config(model_path: str, targets: list[str]) -> None:
     check_lora_targets(family_of(model_path).meta_transformer(model_path), targets)
 
 
-def check_guidance(model_path: str, guidance: float) -> None:
-    """A transformer without a guidance embedding (FLUX.2 [klein], FLUX.1-schnell) samples here without classifier-
-    free guidance, so a guidance other than 1 would be silently ignored: refused instead."""
+def _guidance_embeds(model_path: str) -> bool:
     import inspect
 
     cls = family_of(model_path).transformer_class()
     default = inspect.signature(cls.__init__).parameters["guidance_embeds"].default  # a config.json may omit it
-    if not cls.load_config(Path(model_path) / "transformer").get("guidance_embeds", default) and guidance != 1.0:
-        raise ConfigError(f"sampling.guidance: {guidance}, but {model_path} has no guidance embedding and the recipe "
-                          "samples without classifier-free guidance; set sampling.guidance=1.0")
+    return bool(cls.load_config(Path(model_path) / "transformer").get("guidance_embeds", default))
+
+
+def check_guidance(model_path: str, guidance: float, true_cfg: bool = False) -> None:
+    """A transformer without a guidance embedding (FLUX.2 [klein], FLUX.1-schnell) has no use for
+    sampling.guidance, which would be silently ignored: refused instead (its guidance is true CFG,
+    sampling.true_cfg). A transformer with one (FLUX.1-dev, Kontext, FLUX.2 [dev]) is guidance-distilled: true
+    CFG on it is refused. Flux2Pipeline ([dev]) has no negative prompt at all; FluxPipeline and FluxKontextPipeline
+    take a true_cfg_scale beside the embedding, which the recipe does not build (yet)."""
+    embeds = _guidance_embeds(model_path)
+    if not embeds and guidance != 1.0:
+        raise ConfigError(f"sampling.guidance: {guidance}, but {model_path} has no guidance embedding (its "
+                          "classifier-free guidance is sampling.true_cfg); set sampling.guidance=1.0")
+    if embeds and true_cfg:
+        raise ConfigError(f"sampling.true_cfg: {model_path} is guidance-distilled (a guidance embedding, "
+                          "sampling.guidance) and the recipe has no true CFG for it; set sampling.true_cfg=null")
 
 
 def check_prompt_sets(cfg: RecipeConfig, model_path: str) -> None:
@@ -184,7 +195,7 @@ def check_inputs(cfg: RecipeConfig, world_size: int) -> Inputs:
     ds_config = load_ds_config(cfg.deepspeed.config, cfg, layout)
     if cfg.lora is not None:
         check_lora_targets_on_config(model_path, cfg.lora.target_modules)
-    check_guidance(model_path, cfg.sampling.guidance)
+    check_guidance(model_path, cfg.sampling.guidance, cfg.sampling.true_cfg is not None)
     check_rewards(cfg.rewards)
     check_prompt_sets(cfg, model_path)
     metrics.check_wandb(cfg.logging.wandb)

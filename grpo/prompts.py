@@ -26,10 +26,10 @@ from grpo.models import family_of
 from grpo.models.base import Placement
 from grpo.prompt_sets import PromptSet, read_prompt_file, read_prompt_set
 from grpo.references import ensure_references, load_references
-from grpo.settings import DataConfig, MemoryCaps
+from grpo.settings import DataConfig, MemoryCaps, SamplingConfig
 
 __all__ = ["PromptCache", "PromptSet", "read_prompt_file", "read_prompt_set", "cache_file", "encode", "save_cache",
-           "load_cache", "ensure_cache", "ensure_references"]
+           "load_cache", "ensure_cache", "ensure_negative", "ensure_references"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,9 @@ class PromptCache:
     # (grpo/references.py); None for a dataset without images
     references: torch.Tensor | None = None
     reference_index: torch.Tensor | None = None
+    # True CFG's negative prompt (sampling.true_cfg.negative_prompt), encoded like the prompts: its embeddings
+    # [1, ...], shared by every row; None while sampling.true_cfg is off
+    negative: dict[str, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if not self.metadata:
@@ -112,9 +115,11 @@ def save_cache(cache: PromptCache, path: str | Path) -> None:
     tmp.replace(path)  # atomic: a reader never sees half a cache
 
 
-def load_cache(path: str | Path, rows: PromptSet | None = None, references: str | Path | None = None) -> PromptCache:
-    """The cache at `path`, with the metadata of `rows` (the dataset it was encoded from) when given, and the source
-    images' latents of the reference cache `references` (grpo.references.ensure_references; None: no images)."""
+def load_cache(path: str | Path, rows: PromptSet | None = None, references: str | Path | None = None,
+               negative: str | Path | None = None) -> PromptCache:
+    """The cache at `path`, with the metadata of `rows` (the dataset it was encoded from) when given, the source
+    images' latents of the reference cache `references` (grpo.references.ensure_references; None: no images) and the
+    negative prompt's embeddings of the cache `negative` (:func:`ensure_negative`; None: CFG off)."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
@@ -124,6 +129,8 @@ def load_cache(path: str | Path, rows: PromptSet | None = None, references: str 
     cache = PromptCache(prompts, load_file(str(path)), rows.metadata if rows is not None else [])
     if references is not None:
         cache.references, cache.reference_index = load_references(references, rows)
+    if negative is not None:
+        cache.negative = load_file(str(negative))
     return cache
 
 
@@ -132,10 +139,24 @@ def ensure_cache(model_path: str, prompt_file: str, setting: str, data: DataConf
     """Return the cache file for `prompt_file` under the preset's `data:` settings, encoding it first if it is not
     there yet. `rows`: the dataset already read from `prompt_file` (else it is read here)."""
     prompts = (rows or read_prompt_set(prompt_file, setting)).prompts
-    path = cache_file(data.cache_dir, model_path, prompts, data.max_sequence_length, Path(prompt_file).stem,
-                      data.text_encoder_dtype)
+    return _ensure(model_path, prompts, Path(prompt_file).stem, prompt_file, data, device)
+
+
+def ensure_negative(model_path: str, sampling: SamplingConfig, data: DataConfig, device: torch.device) -> Path | None:
+    """The cache of true CFG's negative prompt, a one-prompt cache encoded like the prompts (Flux2KleinPipeline
+    encodes its "" with the prompts' encode_prompt and max_sequence_length), encoding it first if it is not there
+    yet; None while sampling.true_cfg is off."""
+    if sampling.true_cfg is None:
+        return None
+    return _ensure(model_path, [sampling.true_cfg.negative_prompt], "negative", "sampling.true_cfg.negative_prompt",
+                   data, device)
+
+
+def _ensure(model_path: str, prompts: list[str], stem: str, source: str, data: DataConfig,
+            device: torch.device) -> Path:
+    path = cache_file(data.cache_dir, model_path, prompts, data.max_sequence_length, stem, data.text_encoder_dtype)
     if not path.is_file():
-        log.info("encoding %d prompts of %s into %s", len(prompts), prompt_file, path)
+        log.info("encoding %d prompts of %s into %s", len(prompts), source, path)
         with _placement(data) as placement:
             save_cache(encode(model_path, prompts, data.max_sequence_length, device,
                               dtype=resolve_dtype(data.text_encoder_dtype), placement=placement), path)

@@ -43,6 +43,23 @@ class SDEParams:
                         prev_sample=prev_sample, sigma_max=float(sigmas[1]))
 
 
+def guided(velocity: Velocity, scale: float) -> Velocity:
+    """True classifier-free guidance (sampling.true_cfg, its scale w): neg + w * (cond - neg), combined in float32,
+    from two calls of the transformer on the same rows, as Flux2KleinPipeline makes them. Not one batched call on
+    [x; x] (diffusers' other pipelines concatenate): on the tiny FLUX.2 in fp32 the batch of 2B rows changed the
+    kernels' rounding enough to part from the pipeline's images by 9.1e-6 at w = 4, at the edge of the 1e-5 parity,
+    against 0.0 with two calls; whether one batched call is faster on an accelerator is still to be measured. The
+    rollout, the update's recomputation, the reference and the evals all call this, so grpo's log-probs are those of
+    the guided transition and the first-pass ratio stays exactly 1."""
+
+    def v(x: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        pos = velocity(x, t, dataclasses.replace(cond, negative=None))
+        neg = velocity(x, t, cond.negative)
+        return neg + scale * (pos - neg)
+
+    return v
+
+
 def timestep(sigmas: torch.Tensor, i: int, batch: int) -> torch.Tensor:
     """The transformer's timestep input for step i, built like FluxPipeline builds it (t*1000, then /1000): sigma_i.
 
@@ -219,12 +236,26 @@ class FluxSampler:
         return self if steps is None or steps == self.sampling.num_steps else self.with_steps(steps)
 
     def conditioning(self, cache: PromptCache, prompt_idx: list[int]) -> Conditioning:
-        return self.family.conditioning(cache.rows(prompt_idx), self.latent_size, self.sampling.guidance,
-                                        self.guidance_embeds, self.device, self.dtype)
+        rows = cache.rows(prompt_idx)
+        cond = self.family.conditioning(rows, self.latent_size, self.sampling.guidance, self.guidance_embeds,
+                                        self.device, self.dtype)
+        if self.sampling.true_cfg is None:
+            return cond
+        if cache.negative is None:
+            raise RuntimeError("sampling.true_cfg without the negative prompt's embeddings: load the prompt cache "
+                               "with them (grpo.prompts.load_cache(..., negative=ensure_negative(...)))")
+        # Every row's negative is the one negative prompt, with the row's own reference images (the pipelines pass
+        # the image to both branches).
+        neg = {k: v.expand(len(prompt_idx), *v.shape[1:]) for k, v in cache.negative.items()}
+        neg.update({k: v for k, v in rows.items() if k == "ref_latents"})
+        return dataclasses.replace(cond, negative=self.family.conditioning(
+            neg, self.latent_size, self.sampling.guidance, self.guidance_embeds, self.device, self.dtype))
 
     def velocity(self, model: torch.nn.Module) -> Velocity:
-        """`model` called as the family's pipeline calls its transformer."""
-        return self.family.velocity_of(model)
+        """`model` called as the family's pipeline calls its transformer; with sampling.true_cfg, the guided
+        velocity (:func:`guided`). Without it the conditional call alone, not one operation more."""
+        v = self.family.velocity_of(model)
+        return v if self.sampling.true_cfg is None else guided(v, self.sampling.true_cfg.scale)
 
     def initial_latents(self, step: int, keys: list[int], stream: int = INIT_NOISE) -> torch.Tensor:
         """Packed float32 starting noise [B, S, C], one pure function of (seed, step, key, stream) per row."""

@@ -8,7 +8,7 @@ benchmarks/time_to_reward.py, so there is one cost model (with the objective's e
     share    otherwise: K of the objective's points, drawn per micro-batch as a pure function of (seed, step, first
              sample), so the update's micro-batches are the rollout's and the first-pass ratio stays exactly 1
 Candidate selection (grpo/candidates.py) adds its preview to any shape but a tree: pool / group_size candidates of
-preview_steps calls per trained image.
+preview_steps calls per trained image. True CFG (sampling.true_cfg) doubles every call's rows, so the cost.
 """
 
 from __future__ import annotations
@@ -85,7 +85,12 @@ class RolloutPlan:
         else:
             on_policy = (self.preview_calls() + self.rollout_calls(self.window(step))
                          + self.trained_per_trajectory * per_point)
-        return on_policy + self.objective.extra_forwards_per_image(step, extra_blocks)
+        total = on_policy + self.objective.extra_forwards_per_image(step, extra_blocks)
+        if self.cfg.sampling.true_cfg is None:
+            return total
+        # True CFG: every transformer call of grpo (the only objective it is built for) is the sampler's guided
+        # velocity, its two branches two calls on the same rows: two forward-equivalents per image and velocity.
+        return 2 * total
 
     def preview_calls(self) -> float:
         """Candidate selection's preview per trained image: pool / group_size candidates of preview_steps calls."""

@@ -129,6 +129,13 @@ class CandidatesConfig:
 
 
 @dataclass(kw_only=True)
+class TrueCFGConfig:
+    scale: float = setting(help="the guidance w, above 1 (Flux2KleinPipeline's guidance_scale: 4.0 by default)")
+    negative_prompt: str = setting("", help="the negative prompt, encoded once like the prompts (Flux2KleinPipeline's "
+                                            "is \"\")")
+
+
+@dataclass(kw_only=True)
 class SamplingConfig:
     resolution: int = setting(help="image side in pixels, a multiple of 16")
     num_steps: int = setting(help="denoising steps per rollout")
@@ -143,6 +150,11 @@ class SamplingConfig:
                             "coefficients-preserving sampling, eta = noise level in (0, 1] (Flow-GRPO's CPS)")
     shift: float | str = setting(help="static SD3 time shift, or dynamic for diffusers' resolution-dependent shift")
     guidance: float = setting(help="FLUX.1-dev distilled guidance embedding")
+    true_cfg: TrueCFGConfig | None = setting(
+        None, help="true classifier-free guidance: every velocity (rollout, the update's recomputation, reference, "
+                   "evals) is neg + scale * (cond - neg), the two branches two calls, as Flux2KleinPipeline "
+                   "guides a non-distilled model; null = off (one conditional forward). grpo only; models without a "
+                   "guidance embedding only")
     group_size: int = setting(help="images per prompt (G), at least 2")
     init_same_noise: bool = setting(help="a group shares its initial noise (DanceGRPO's init_same_noise)")
     window: WindowConfig | None = setting(

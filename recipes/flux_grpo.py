@@ -96,7 +96,7 @@ from grpo.loading import transformer_loader
 from grpo.loss import poison_nonfinite
 from grpo.metrics import MetricsLogger, progress, save_grid
 from grpo.profiling import PhaseClock, StepProfiler
-from grpo.prompts import ensure_cache, ensure_references, load_cache, read_prompt_set
+from grpo.prompts import ensure_cache, ensure_negative, ensure_references, load_cache, read_prompt_set
 from grpo.objectives import Models
 from grpo.rewards import build_rewards, finite_check, mix
 from grpo.rollout import FluxSampler
@@ -191,6 +191,9 @@ class FluxGRPORecipe:
         if d.eval_prompts:
             files["eval"] = (d.eval_prompts, "data.eval_prompts")
         caches = {}
+        # true CFG's negative prompt (sampling.true_cfg), encoded once like the prompts; None while it is off
+        if self.rank == 0:
+            ensure_negative(self.model_path, self.cfg.sampling, d, self.device)
         for name, (prompt_file, setting) in files.items():
             rows = read_prompt_set(prompt_file, setting)  # prompts and each row's metadata, read fresh every start
             if self.rank == 0:
@@ -199,7 +202,8 @@ class FluxGRPORecipe:
             dist.barrier()
             caches[name] = load_cache(ensure_cache(self.model_path, prompt_file, setting, d, self.device, rows), rows,
                                       ensure_references(self.model_path, prompt_file, rows, d.cache_dir, resolution,
-                                                        self.device))
+                                                        self.device),
+                                      ensure_negative(self.model_path, self.cfg.sampling, d, self.device))
         self.train_prompts = caches["train"]
         self.eval_prompts = caches.get("eval")
 

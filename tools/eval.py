@@ -32,7 +32,7 @@ from grpo.layout import derive_layout
 from grpo.models import family_of
 from grpo.metrics import save_grid
 from grpo.prompt_sets import read_image, row_images
-from grpo.prompts import ensure_cache, ensure_references, load_cache, read_prompt_set
+from grpo.prompts import ensure_cache, ensure_negative, ensure_references, load_cache, read_prompt_set
 from grpo.rewards import build_rewards, check_reward_metadata, check_rewards, mix
 from grpo.rollout import FluxSampler
 
@@ -91,7 +91,8 @@ def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weight
     device = dev.device_for_local_rank(0)
     cache = load_cache(ensure_cache(model_path, cfg.data.eval_prompts, "data.eval_prompts", cfg.data, device, rows),
                        rows, ensure_references(model_path, cfg.data.eval_prompts, rows, cfg.data.cache_dir,
-                                               cfg.sampling.resolution, device))
+                                               cfg.sampling.resolution, device),
+                       ensure_negative(model_path, cfg.sampling, cfg.data, device))
     parts = family_of(model_path).load_parts(model_path, vae_dtype=dev.resolve_dtype(cfg.model.dtype),
                                              transformer_dtype=dtype)
     model = parts.transformer.to(device).eval()

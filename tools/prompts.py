@@ -16,7 +16,7 @@ from grpo.device import accelerator, device_for_local_rank, local_devices
 from grpo.errors import run_command
 from grpo.inputs import resolve_model_path
 from grpo.models import family_of
-from grpo.prompts import ensure_cache, ensure_references, read_prompt_set
+from grpo.prompts import ensure_cache, ensure_negative, ensure_references, read_prompt_set
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
                 out.append(str(ensure_cache(model_path, f, setting, cfg.data, device, rows)))
                 refs = ensure_references(model_path, f, rows, cfg.data.cache_dir, cfg.sampling.resolution, device)
                 out += [str(refs)] if refs is not None else []
+        negative = ensure_negative(model_path, cfg.sampling, cfg.data, device)  # true CFG's, when it is on
+        out += [str(negative)] if negative is not None else []
         out = "\n".join(out)
         log.info("%s", peak_line(time.perf_counter() - start))
         return out

@@ -43,13 +43,17 @@ class Conditioning:
     # FLUX.2: T = 10, 20, ...); None for text to image.
     ref_latents: torch.Tensor | None = None  # [B, Sr, C] in the model's dtype
     ref_ids: torch.Tensor | None = None  # [Sr, 3] or [Sr, 4], shared by the rows as img_ids is
+    # True CFG (sampling.true_cfg): the same rows conditioned on the negative prompt (same ids and reference
+    # images, as the pipelines' unconditional branch); None without CFG.
+    negative: "Conditioning | None" = None
 
     def select(self, rows: slice | torch.Tensor) -> "Conditioning":
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[rows]
 
         return replace(self, prompt_embeds=self.prompt_embeds[rows], guidance=pick(self.guidance),
-                       pooled=pick(self.pooled), ref_latents=pick(self.ref_latents))
+                       pooled=pick(self.pooled), ref_latents=pick(self.ref_latents),
+                       negative=None if self.negative is None else self.negative.select(rows))
 
 
 @dataclass

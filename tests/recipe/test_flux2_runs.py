@@ -1,10 +1,11 @@
 """The recipe on the tiny FLUX.2 [klein] world (assets/tiny-flux2) under ZeRO-3: exact first-pass ratio, the same
 run on 1 and 2 processes, an exact resume, and exports that load into diffusers' own FLUX.2 classes.
 
-Five short runs of the real recipe through torchrun (8 images a step, 4 steps a trajectory):
+Short runs of the real recipe through torchrun (8 images a step, 4 steps a trajectory):
 
     two     grpo + LoRA, 2 steps, 2 processes, a checkpoint every step
     nft     DiffusionNFT + LoRA (the lagging policy), 2 steps, 2 processes
+    cfg     grpo + LoRA with true CFG (sampling.true_cfg), 2 steps, 2 processes, a held-out eval
     full    grpo, full fine-tune, 1 step, 2 processes (-m slow)
     one     two's run on 1 process (-m slow)
     resumed 2 processes from two's step-1 checkpoint to step 2 (-m slow)
@@ -18,8 +19,8 @@ import pytest
 import torch
 
 from tests import ROOT, TINY_FLUX2
-from tests.recipe.launch import (SMALL, assert_resumed_step_exact, assert_two_steps_agree, run_recipe, train_rows,
-                                 two_one_resumed)
+from tests.recipe.launch import (SMALL, assert_resumed_step_exact, assert_two_steps_agree, metrics_rows, run_recipe,
+                                 train_rows, two_one_resumed)
 
 pytestmark = pytest.mark.skipif(not (TINY_FLUX2 / "model_index.json").exists(), reason="tiny FLUX.2 not built")
 GRPO, FULL, NFT = (f"recipes/configs/tiny_flux2/{n}.yaml" for n in ("grpo_lora", "grpo_full", "nft_lora"))
@@ -59,6 +60,16 @@ def chain(run, runs):
 
 def test_the_first_pass_ratio_is_exactly_one(runs):
     assert [r["ratio_max_dev"] for r in runs["two"]["rows"]] == [0.0, 0.0]
+
+
+def test_true_cfg_keeps_the_first_pass_ratio_exactly_one(run):
+    """grpo with true CFG (sampling.true_cfg, Flux2KleinPipeline's guidance_scale 4 and negative prompt ""): the
+    rollout, the update and the held-out eval sample the guided velocity; ratio_max_dev is exactly 0.0."""
+    out = run("cfg", GRPO, 2, ["max_steps=2", "checkpoint.every=0", "sampling.true_cfg.scale=4.0",
+                               "logging.eval_every=2"])
+    assert [r["ratio_max_dev"] for r in out["rows"]] == [0.0, 0.0]
+    assert list((out["dir"].parent / "cache").glob("negative-*.safetensors"))  # encoded once, beside the prompts'
+    assert [r["step"] for r in metrics_rows(out["dir"]) if "eval/reward_mean" in r] == [0, 2]
 
 
 # The full fine-tune of the family-agnostic engine is in the default tier on FLUX.1

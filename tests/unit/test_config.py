@@ -364,3 +364,43 @@ def test_every_preset_asks_for_deterministic_kernels():
     for preset in PRESETS:
         assert load_config(preset, _prompts(preset)).model.deterministic is True, preset
     assert load_config(PRESETS[0], [*_prompts(PRESETS[0]), "model.deterministic=false"]).model.deterministic is False
+
+
+@pytest.mark.parametrize("preset, overrides, message", [
+    ("tiny_flux2/grpo_lora.yaml", ["sampling.true_cfg.scale=1.0"],
+     "sampling.true_cfg.scale: 1.0 is no guidance (the pipelines guide only above 1); use e.g. 4.0 "
+     "(Flux2KleinPipeline's default), or sampling.true_cfg=null for off"),
+    ("tiny_flux2/nft_lora.yaml", ["sampling.true_cfg.scale=4.0"],
+     "sampling.true_cfg: built for grpo only, not nft; set sampling.true_cfg=null"),
+])
+def test_true_cfg_refuses_what_it_cannot_do(preset, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "recipes/configs" / preset, overrides)
+    assert str(e.value) == message
+
+
+def test_true_cfg_is_refused_on_a_guidance_distilled_model():
+    """FLUX.1-dev, Kontext and FLUX.2 [dev] keep their guidance embedding; true CFG on them is refused (see
+    grpo.inputs.check_guidance for what their pipelines allow)."""
+    from grpo.inputs import check_guidance
+    from tests import TINY, TINY_FLUX2
+
+    check_guidance(str(TINY_FLUX2), 1.0, true_cfg=True)
+    with pytest.raises(ConfigError, match=r"^sampling.true_cfg: .* is guidance-distilled .* set "
+                                          r"sampling.true_cfg=null$"):
+        check_guidance(str(TINY), 3.5, true_cfg=True)
+
+
+def test_a_checkpoint_from_before_true_cfg_resumes_only_with_it_off():
+    """sampling.true_cfg is a section, null = off: a checkpoint written before it existed resumes with it off, and
+    is refused with it on (the guided run is another run)."""
+    from grpo.compat import config_differences
+    from grpo.config import to_dict
+
+    preset = ROOT / "recipes/configs/tiny_flux2/grpo_lora.yaml"
+    before = to_dict(load_config(preset))
+    del before["sampling"]["true_cfg"]
+    assert config_differences(before, to_dict(load_config(preset))) == []
+    on = config_differences(before, to_dict(load_config(preset, ["sampling.true_cfg.scale=4.0"])))
+    assert on == ["sampling.true_cfg.negative_prompt='<unset>' in the checkpoint, '' now",
+                  "sampling.true_cfg.scale='<unset>' in the checkpoint, 4.0 now"], on

@@ -10,6 +10,7 @@ from grpo.models import family_of
 from grpo.models.flux2 import FLUX2_KLEIN
 from grpo.prompts import PromptCache
 from grpo.rollout import FluxSampler
+from grpo.settings import TrueCFGConfig
 from tests import ROOT, TINY_FLUX2
 
 pytestmark = pytest.mark.skipif(not (TINY_FLUX2 / "model_index.json").exists(), reason="tiny FLUX.2 not built")
@@ -46,6 +47,38 @@ def test_ode_rollout_reproduces_flux2_klein_pipeline(setup):
                         num_inference_steps=cfg.sampling.num_steps, guidance_scale=1.0, output_type="pt").images
     assert ours.shape == expected.shape == (3, 3, 64, 64)
     torch.testing.assert_close(ours, expected.float(), atol=1e-5, rtol=0)
+
+
+def test_ode_rollout_with_true_cfg_reproduces_flux2_klein_pipeline_at_guidance_4(setup, tmp_path):
+    """sampling.true_cfg.scale=4 on the non-distilled tiny FLUX.2: Flux2KleinPipeline's true CFG at its default
+    guidance_scale 4.0, negative prompt "" (encoded here through the recipe's cache, there by the pipeline), the two
+    branches two calls here as there. Without CFG the same rollout is another image."""
+    import dataclasses
+
+    from grpo.prompts import ensure_negative, load_cache, save_cache
+
+    cfg, parts, sampler, cache = setup
+    s = dataclasses.replace(cfg.sampling, true_cfg=TrueCFGConfig(scale=4.0))
+    guided = FluxSampler.from_parts(parts, parts.vae, s, cfg.seed, torch.device("cpu"), torch.float32)
+    data = dataclasses.replace(cfg.data, cache_dir=str(tmp_path))
+    save_cache(cache, tmp_path / "prompts.safetensors")
+    cfg_cache = load_cache(tmp_path / "prompts.safetensors",
+                           negative=ensure_negative(str(TINY_FLUX2), s, data, torch.device("cpu")))
+    assert cfg_cache.negative["prompt_embeds"].shape == (1, *cache.embeds["prompt_embeds"].shape[1:])
+    ids = list(range(len(PROMPTS)))
+    init = guided.initial_latents(0, ids)
+    ours = guided.decode(guided.sample(parts.transformer, guided.conditioning(cfg_cache, ids), init, eta=0.0).x0)
+    side = guided.latent_size // 2
+    noise = init.cpu().permute(0, 2, 1).reshape(len(ids), -1, side, side)
+    pipe = Flux2KleinPipeline.from_pretrained(str(TINY_FLUX2), dtype=torch.float32)
+    assert pipe.config.is_distilled is False
+    with torch.no_grad():
+        expected = pipe(prompt=PROMPTS, latents=noise, height=64, width=64, num_inference_steps=s.num_steps,
+                        guidance_scale=4.0, max_sequence_length=cfg.data.max_sequence_length,
+                        output_type="pt").images
+    torch.testing.assert_close(ours, expected.float(), atol=1e-5, rtol=0)
+    plain = sampler.decode(sampler.sample(parts.transformer, sampler.conditioning(cache, ids), init, eta=0.0).x0)
+    assert (plain - expected).abs().max() > 0.05
 
 
 def test_the_encoding_is_the_pipelines_at_the_presets_length(setup):
@@ -171,3 +204,42 @@ def test_a_flux2_dataset_gives_every_row_as_many_images(tmp_path):
         FLUX2_KLEIN.check_references(read_prompt_set(tmp_path / "mixed.jsonl"), "data.train_prompts", "m.jsonl",
                                      str(TINY_FLUX2))
     FLUX2_KLEIN.check_references(read_prompt_set(EDITS), "data.train_prompts", str(EDITS), str(TINY_FLUX2))
+
+
+def test_true_cfg_keeps_the_first_pass_ratio_exactly_1_on_every_transition(setup):
+    """grpo with sampling.true_cfg: the rollout records the guided transition's log-prob, and the update's
+    recomputation (FluxSampler.transition, which the update, the reference and replay call) gives it back bit for bit
+    on every transition: the ratio is exactly 1 with the gradient on, as the update runs it. Without CFG the sampler's
+    velocity is the family's own call, nothing added."""
+    import dataclasses
+
+    cfg, parts, sampler, cache = setup
+    assert sampler.velocity(parts.transformer).func == FLUX2_KLEIN.velocity  # cfg off: not one operation more
+    s = dataclasses.replace(cfg.sampling, true_cfg=TrueCFGConfig(scale=4.0))
+    guided = FluxSampler.from_parts(parts, parts.vae, s, cfg.seed, torch.device("cpu"), torch.float32)
+    negative = FLUX2_KLEIN.encode_prompts(str(TINY_FLUX2), [""], cfg.data.max_sequence_length, torch.device("cpu"))
+    ids = [0, 0, 1, 1]
+    cond = guided.conditioning(PromptCache(cache.prompts, cache.embeds, negative=negative), ids)
+    assert cond.negative.prompt_embeds.shape == cond.prompt_embeds.shape
+    gens = [torch.Generator().manual_seed(300 + k) for k in range(len(ids))]
+    traj = guided.sample(parts.transformer, cond, guided.initial_latents(0, ids), gens)
+    plain = sampler.sample(parts.transformer, sampler.conditioning(cache, ids), guided.initial_latents(0, ids),
+                           [torch.Generator().manual_seed(300 + k) for k in range(len(ids))])
+    assert not torch.equal(traj.log_probs, plain.log_probs)  # the guided transitions are other transitions
+    for j in range(s.num_steps):
+        out = guided.transition(parts.transformer, cond, traj.latents, j)
+        assert out.log_prob.requires_grad and torch.equal(out.log_prob.detach(), traj.log_probs[:, j]), j
+        assert torch.equal(torch.exp(out.log_prob.detach() - traj.log_probs[:, j]), torch.ones(len(ids)))
+
+    # BranchGRPO's trees: one guided call per node (the negative rows selected with their nodes), every edge exact
+    from grpo.rollout import sample, transition
+    from grpo.tree import Tree
+
+    tree, rows = Tree(splits=(0, 2), factor=2, noise_scale=2.0, num_steps=s.num_steps), [0] * 4 + [1] * 4
+    cond = guided.conditioning(PromptCache(cache.prompts, cache.embeds, negative=negative), rows)
+    velocity = guided.velocity(parts.transformer)
+    traj = sample(velocity, cond, guided.initial_latents(0, rows), guided.sigmas, guided.sde,
+                  [torch.Generator().manual_seed(300 + k) for k in range(len(rows))], tree=tree)
+    for j in tree.trained():
+        out = transition(velocity, cond, traj.latents, guided.sigmas, j, guided.sde, tree)
+        assert torch.equal(out.log_prob.detach(), traj.log_probs[tree.heads(len(rows), j + 1), j]), j

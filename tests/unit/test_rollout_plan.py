@@ -126,3 +126,33 @@ def test_advantages_per_reward_or_of_the_mixed_reward():
     adv, _ = mixed.advantages(scores, weights)
     assert torch.equal(adv, per_reward_advantages(scores, weights, groups, eps=1e-4, clip=5.0)[0])
     assert not torch.allclose(adv, expected)
+
+
+def test_true_cfg_counts_two_forward_equivalents_per_sampler_call():
+    """sampling.true_cfg: each velocity of the sampler runs the conditional and the negative branch, two calls on
+    the same rows, rollout and update alike, so grpo's plan costs twice as many forward-equivalents per image."""
+    from grpo.models.flux2 import FLUX2_KLEIN
+    from grpo.prompts import PromptCache
+    from tests import TINY_FLUX2
+
+    if not (TINY_FLUX2 / "model_index.json").exists():
+        pytest.skip("tiny FLUX.2 not built")
+    preset = ROOT / "recipes/configs/tiny_flux2/grpo_lora.yaml"
+    off, on = load_config(preset), load_config(preset, ["sampling.true_cfg.scale=4.0"])
+    for step in (0, 7):
+        assert RolloutPlan.of(on).forwards_per_image(step) == 2 * RolloutPlan.of(off).forwards_per_image(step)
+    parts = FLUX2_KLEIN.load_parts(str(TINY_FLUX2))
+    rows = []
+
+    class RowCounting(CountingModel):
+        def forward(self, *args, **kwargs):
+            rows.append(len(kwargs["hidden_states"]))
+            return super().forward(*args, **kwargs)
+
+    sampler = FluxSampler.from_parts(parts, parts.vae, on.sampling, on.seed, torch.device("cpu"), torch.float32)
+    embeds = {"prompt_embeds": torch.zeros(1, 32, parts.transformer.config.joint_attention_dim)}
+    cache = PromptCache(["p"], embeds, negative={"prompt_embeds": torch.ones(1, 32, embeds["prompt_embeds"].shape[2])})
+    cond = sampler.conditioning(cache, [0, 0])
+    traj = sampler.sample(RowCounting(parts.transformer), cond, sampler.initial_latents(0, [0, 1]),
+                          [torch.Generator().manual_seed(k) for k in range(2)])
+    assert rows == [2] * (2 * traj.nfe)  # 2 images, two calls a step: the conditional and the negative branch
