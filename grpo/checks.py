@@ -40,7 +40,7 @@ def validate(cfg: RecipeSettings) -> None:
         raise ConfigError(f"sampling.true_cfg.scale: {s.true_cfg.scale} is no guidance (the pipelines guide only "
                           "above 1); use e.g. 4.0 (Flux2KleinPipeline's default), or sampling.true_cfg=null for off")
     if s.true_cfg is not None and cfg.algorithm != "grpo":
-        # nft and awm may train the conditional or the guided velocity (issue 53, item 2): not chosen yet
+        # nft and awm may train the conditional velocity (DiffusionNFT's CFG-free way) or the guided one: not built
         raise ConfigError(f"sampling.true_cfg: built for grpo only, not {cfg.algorithm}; set sampling.true_cfg=null")
     if s.resolution % 16:
         raise ConfigError(f"sampling.resolution: {s.resolution} must be a multiple of 16 (VAE x 2x2 packing)")

@@ -8,7 +8,7 @@ benchmarks/time_to_reward.py, so there is one cost model (with the objective's e
     share    otherwise: K of the objective's points, drawn per micro-batch as a pure function of (seed, step, first
              sample), so the update's micro-batches are the rollout's and the first-pass ratio stays exactly 1
 Candidate selection (grpo/candidates.py) adds its preview to any shape but a tree: pool / group_size candidates of
-preview_steps calls per trained image. True CFG (sampling.true_cfg) doubles every call's rows, so the cost.
+preview_steps calls per trained image. True CFG (sampling.true_cfg) makes every velocity two calls, so the cost doubles.
 """
 
 from __future__ import annotations
