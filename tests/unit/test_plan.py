@@ -134,3 +134,25 @@ def test_the_replay_buffer_is_counted_in_host_memory_and_its_block_in_the_update
     entry = (r.truncate + 1) * latent + r.truncate * 4
     assert p.host == {"replay buffer (every rank)": r.size * entry} and off.host == {}
     assert p.phase_total("update") - off.phase_total("update") == 16 * entry  # 32 images a block over 2 ranks
+
+
+# ------------------------------------------------------------------------------------------------------- true CFG
+TINY_FLUX2 = str(ROOT / "recipes/configs/tiny_flux2/grpo_lora.yaml")
+CFG = "sampling.true_cfg={scale: 4.0}"
+
+
+def test_true_cfg_doubles_the_updates_activations_when_it_trains_the_guided_velocity():
+    """grpo trains the guided transition: the conditional and the negative call's graphs are both alive until the
+    backward, so the update's activations are exactly twice one call's; the backward frees one graph before the
+    other, so its working set is unchanged. Without grad (rollout, reference) the calls run in sequence: one call's
+    peak plus the conditional output [r, S, C] in float32."""
+    off, on = (P.plan(load_config(TINY_FLUX2, o), 2) for o in ([], [CFG]))
+    assert P.update_calls(load_config(TINY_FLUX2, [CFG])) == 2
+    assert on.phases["update"]["activations"] == 2 * off.phases["update"]["activations"] > 0
+    assert on.phases["update"]["backward working set"] == off.phases["update"]["backward working set"]
+    channels = P.model_configs(str(ROOT / "assets/tiny-flux2"))[0]["in_channels"]
+    r = load_config(TINY_FLUX2).batch.rollout_micro_batch
+    assert on.phases["rollout"]["CFG conditional output"] == r * on.image_tokens * channels * 4  # float32
+    assert on.phases["rollout"]["rollout activations"] == off.phases["rollout"]["rollout activations"]
+    assert "CFG conditional output" not in off.phases["rollout"]
+    assert on.resident == off.resident
