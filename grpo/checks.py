@@ -39,9 +39,17 @@ def validate(cfg: RecipeSettings) -> None:
     if s.true_cfg is not None and s.true_cfg.scale <= 1:
         raise ConfigError(f"sampling.true_cfg.scale: {s.true_cfg.scale} is no guidance (the pipelines guide only "
                           "above 1); use e.g. 4.0 (Flux2KleinPipeline's default), or sampling.true_cfg=null for off")
-    if s.true_cfg is not None and cfg.algorithm != "grpo":
-        # nft and awm may train the conditional velocity (DiffusionNFT's CFG-free way) or the guided one: not built
-        raise ConfigError(f"sampling.true_cfg: built for grpo only, not {cfg.algorithm}; set sampling.true_cfg=null")
+    if s.true_cfg is not None and cfg.algorithm == "grpo" and not s.true_cfg.trains_guided:
+        raise ConfigError("sampling.true_cfg.train: conditional, but grpo's ratio is between log-probs of the guided "
+                          "transition the rollout sampled; set sampling.true_cfg.train=guided (or null)")
+    if s.true_cfg is not None and cfg.algorithm != "grpo" and s.true_cfg.train is None:
+        # both are sound on the forward process and the sources differ: the choice is the user's, not a default
+        raise ConfigError(f"sampling.true_cfg.train: {cfg.algorithm} with true CFG trains either velocity; set "
+                          "sampling.true_cfg.train=conditional (the conditional branch on guided samples; AWM's "
+                          "train.cfg False) or guided (neg + scale*(cond - neg), AWM's train.cfg True)")
+    if s.eval_cfg_scale is not None and s.eval_cfg_scale < 1:
+        raise ConfigError(f"sampling.eval_cfg_scale: {s.eval_cfg_scale}; use 1.0 (evals without CFG), a scale above "
+                          "1 (e.g. 4.0, Flux2KleinPipeline's default), or null (the rollouts' true CFG)")
     if s.resolution % 16:
         raise ConfigError(f"sampling.resolution: {s.resolution} must be a multiple of 16 (VAE x 2x2 packing)")
     for key, value in (

@@ -138,7 +138,8 @@ def check_guidance(model_path: str, guidance: float, true_cfg: bool = False) -> 
                           "classifier-free guidance is sampling.true_cfg); set sampling.guidance=1.0")
     if embeds and true_cfg:
         raise ConfigError(f"sampling.true_cfg: {model_path} is guidance-distilled (a guidance embedding, "
-                          "sampling.guidance) and the recipe has no true CFG for it; set sampling.true_cfg=null")
+                          "sampling.guidance) and the recipe has no true CFG for it; set sampling.true_cfg=null "
+                          "and sampling.eval_cfg_scale=null")
 
 
 def check_prompt_sets(cfg: RecipeConfig, model_path: str) -> None:
@@ -195,7 +196,7 @@ def check_inputs(cfg: RecipeConfig, world_size: int) -> Inputs:
     ds_config = load_ds_config(cfg.deepspeed.config, cfg, layout)
     if cfg.lora is not None:
         check_lora_targets_on_config(model_path, cfg.lora.target_modules)
-    check_guidance(model_path, cfg.sampling.guidance, cfg.sampling.true_cfg is not None)
+    check_guidance(model_path, cfg.sampling.guidance, cfg.sampling.negative_prompt is not None)
     check_rewards(cfg.rewards)
     check_prompt_sets(cfg, model_path)
     metrics.check_wandb(cfg.logging.wandb)

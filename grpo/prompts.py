@@ -145,11 +145,11 @@ def ensure_cache(model_path: str, prompt_file: str, setting: str, data: DataConf
 def ensure_negative(model_path: str, sampling: SamplingConfig, data: DataConfig, device: torch.device) -> Path | None:
     """The cache of true CFG's negative prompt, a one-prompt cache encoded like the prompts (Flux2KleinPipeline
     encodes its "" with the prompts' encode_prompt and max_sequence_length), encoding it first if it is not there
-    yet; None while sampling.true_cfg is off."""
-    if sampling.true_cfg is None:
+    yet; None while neither the rollouts (sampling.true_cfg) nor the evals (sampling.eval_cfg_scale) guide."""
+    if sampling.negative_prompt is None:
         return None
-    return _ensure(model_path, [sampling.true_cfg.negative_prompt], "negative", "sampling.true_cfg.negative_prompt",
-                   data, device)
+    return _ensure(model_path, [sampling.negative_prompt], "negative", "sampling.true_cfg.negative_prompt", data,
+                   device)
 
 
 def _ensure(model_path: str, prompts: list[str], stem: str, source: str, data: DataConfig,

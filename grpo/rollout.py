@@ -231,9 +231,14 @@ class FluxSampler:
 
     def for_eval(self) -> "FluxSampler":
         """The held-out evals' sampler: this one, or on sampling.eval_num_steps steps (Flow-GRPO's denoising
-        reduction: rollouts on fewer steps than the evals that judge them)."""
+        reduction: rollouts on fewer steps than the evals that judge them), at sampling.eval_cfg_scale."""
         steps = self.sampling.eval_num_steps
-        return self if steps is None or steps == self.sampling.num_steps else self.with_steps(steps)
+        sampler = self if steps is None or steps == self.sampling.num_steps else self.with_steps(steps)
+        if self.sampling.eval_cfg_scale is None:
+            return sampler
+        # the inference setting a user samples with (sampling.eval_cfg_scale), whatever guidance the rollouts use
+        return dataclasses.replace(sampler, sampling=dataclasses.replace(sampler.sampling,
+                                                                         true_cfg=self.sampling.eval_true_cfg))
 
     def conditioning(self, cache: PromptCache, prompt_idx: list[int]) -> Conditioning:
         rows = cache.rows(prompt_idx)
@@ -285,8 +290,12 @@ class FluxSampler:
                       keep_means)
 
     def velocity_at(self, model: torch.nn.Module, x: torch.Tensor, i: int, cond: Conditioning) -> torch.Tensor:
-        """`model`'s velocity at latents `x` [B, S, C] at schedule point i (nft/awm's noised clean samples)."""
-        return self.velocity(model)(x, timestep(self.sigmas, i, len(x)).to(x.device), cond)
+        """`model`'s velocity at latents `x` [B, S, C] at schedule point i (nft/awm's noised clean samples): the
+        velocity the update trains, guided, or with sampling.true_cfg.train conditional the conditional branch alone
+        (the rollouts still guide)."""
+        cfg = self.sampling.true_cfg
+        v = self.velocity(model) if cfg is None or cfg.trains_guided else self.family.velocity_of(model)
+        return v(x, timestep(self.sigmas, i, len(x)).to(x.device), cond)
 
     def transition(self, model: torch.nn.Module, cond: Conditioning, latents: torch.Tensor, i: int) -> StepOut:
         """:func:`transition` i of stored trajectory `latents` along this sampler's schedule."""

@@ -8,7 +8,8 @@ benchmarks/time_to_reward.py, so there is one cost model (with the objective's e
     share    otherwise: K of the objective's points, drawn per micro-batch as a pure function of (seed, step, first
              sample), so the update's micro-batches are the rollout's and the first-pass ratio stays exactly 1
 Candidate selection (grpo/candidates.py) adds its preview to any shape but a tree: pool / group_size candidates of
-preview_steps calls per trained image. True CFG (sampling.true_cfg) makes every velocity two calls, so the cost doubles.
+preview_steps calls per trained image. True CFG (sampling.true_cfg) makes every guided velocity two calls: the
+rollout's and the preview's always, the update's where it trains the guided velocity (grpo; nft/awm with train: guided).
 """
 
 from __future__ import annotations
@@ -79,18 +80,17 @@ class RolloutPlan:
         objective's extra update blocks (grpo's replay block): `extra_blocks` of them, as many as ran (the recipe),
         or by default as many as the objective expects (the planner, the benchmarks). A tree pays once per node,
         shared by the images under it."""
+        # True CFG: a guided velocity is its two branches, two calls on the same rows
+        cfg = self.cfg.sampling.true_cfg
+        sampled = 1 if cfg is None else 2
+        trained = 2 if cfg is not None and cfg.trains_guided else 1
         per_point = self.objective.forwards_per_point()
-        if self.tree is not None:
-            on_policy = self.tree.forwards_per_image(self.tree.trained(), per_point)
+        if self.tree is not None:  # grpo's: its rollout and its update call the same (guided) velocity
+            on_policy = trained * self.tree.forwards_per_image(self.tree.trained(), per_point)
         else:
-            on_policy = (self.preview_calls() + self.rollout_calls(self.window(step))
-                         + self.trained_per_trajectory * per_point)
-        total = on_policy + self.objective.extra_forwards_per_image(step, extra_blocks)
-        if self.cfg.sampling.true_cfg is None:
-            return total
-        # True CFG: every transformer call of grpo (the only objective it is built for) is the sampler's guided
-        # velocity, its two branches two calls on the same rows: two forward-equivalents per image and velocity.
-        return 2 * total
+            on_policy = (sampled * (self.preview_calls() + self.rollout_calls(self.window(step)))
+                         + trained * self.trained_per_trajectory * per_point)
+        return on_policy + trained * self.objective.extra_forwards_per_image(step, extra_blocks)
 
     def preview_calls(self) -> float:
         """Candidate selection's preview per trained image: pool / group_size candidates of preview_steps calls."""

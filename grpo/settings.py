@@ -133,6 +133,16 @@ class TrueCFGConfig:
     scale: float = setting(help="the guidance w, above 1 (Flux2KleinPipeline's guidance_scale: 4.0 by default)")
     negative_prompt: str = setting("", help="the negative prompt, encoded once like the prompts (Flux2KleinPipeline's "
                                             "is \"\")")
+    train: str | None = setting(
+        None, choices=(None, "guided", "conditional"),
+        help="the velocity the update trains: guided = neg + scale * (cond - neg), both branches under grad (grpo "
+             "always: its log-probs are the guided transition's; AWM's train.cfg: True); conditional = the "
+             "conditional branch alone, on samples rolled out with CFG (AWM's train.cfg: False; DiffusionNFT trains "
+             "it too, and rolls out without CFG). nft and awm must choose; null = guided for grpo")
+
+    @property
+    def trains_guided(self) -> bool:
+        return self.train != "conditional"
 
 
 @dataclass(kw_only=True)
@@ -151,10 +161,14 @@ class SamplingConfig:
     shift: float | str = setting(help="static SD3 time shift, or dynamic for diffusers' resolution-dependent shift")
     guidance: float = setting(help="FLUX.1-dev distilled guidance embedding")
     true_cfg: TrueCFGConfig | None = setting(
-        None, help="true classifier-free guidance: every velocity (rollout, the update's recomputation, reference, "
-                   "evals) is neg + scale * (cond - neg), the two branches two calls, as Flux2KleinPipeline "
-                   "guides a non-distilled model; null = off (one conditional forward). grpo only; models without a "
-                   "guidance embedding only")
+        None, help="true classifier-free guidance: every velocity of the rollouts and the evals (and of the update, "
+                   "with train: guided) is neg + scale * (cond - neg), the two branches two calls, as "
+                   "Flux2KleinPipeline guides a non-distilled model; null = off (one conditional forward). Models "
+                   "without a guidance embedding only")
+    eval_cfg_scale: float | None = setting(
+        None, resume=FREE, help="the held-out evals' true CFG, the inference setting a user samples with: null = the "
+                                "rollouts' (true_cfg's scale, or none); 1.0 = none; above 1 = that scale, with "
+                                "true_cfg's negative prompt (\"\" when true_cfg is null)")
     group_size: int = setting(help="images per prompt (G), at least 2")
     init_same_noise: bool = setting(help="a group shares its initial noise (DanceGRPO's init_same_noise)")
     window: WindowConfig | None = setting(
@@ -173,6 +187,22 @@ class SamplingConfig:
         None, help="candidate selection (Sol-RL): per prompt a pool of candidates previewed with fewer ODE steps and "
                    "scored; the best and worst become the group, rolled out in full from their own noise and trained; "
                    "null = the group is rolled out directly")
+
+    @property
+    def negative_prompt(self) -> str | None:
+        """The negative prompt that must be encoded: true CFG's, in the rollouts or the evals; None = none guides."""
+        if self.true_cfg is not None:
+            return self.true_cfg.negative_prompt
+        return "" if self.eval_cfg_scale is not None and self.eval_cfg_scale > 1 else None
+
+    @property
+    def eval_true_cfg(self) -> TrueCFGConfig | None:
+        """The held-out evals' true CFG (eval_cfg_scale): the rollouts', none, or that scale."""
+        if self.eval_cfg_scale is None:
+            return self.true_cfg
+        if self.eval_cfg_scale == 1:
+            return None
+        return TrueCFGConfig(scale=self.eval_cfg_scale, negative_prompt=self.negative_prompt)
 
 
 @dataclass(kw_only=True)

@@ -191,7 +191,7 @@ class FluxGRPORecipe:
         if d.eval_prompts:
             files["eval"] = (d.eval_prompts, "data.eval_prompts")
         caches = {}
-        # true CFG's negative prompt (sampling.true_cfg), encoded once like the prompts; None while it is off
+        # true CFG's negative prompt (sampling.true_cfg, eval_cfg_scale), encoded once like the prompts; None: no CFG
         if self.rank == 0:
             ensure_negative(self.model_path, self.cfg.sampling, d, self.device)
         for name, (prompt_file, setting) in files.items():

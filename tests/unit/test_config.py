@@ -371,7 +371,15 @@ def test_every_preset_asks_for_deterministic_kernels():
      "sampling.true_cfg.scale: 1.0 is no guidance (the pipelines guide only above 1); use e.g. 4.0 "
      "(Flux2KleinPipeline's default), or sampling.true_cfg=null for off"),
     ("tiny_flux2/nft_lora.yaml", ["sampling.true_cfg.scale=4.0"],
-     "sampling.true_cfg: built for grpo only, not nft; set sampling.true_cfg=null"),
+     "sampling.true_cfg.train: nft with true CFG trains either velocity; set sampling.true_cfg.train=conditional "
+     "(the conditional branch on guided samples; AWM's train.cfg False) or guided (neg + scale*(cond - neg), AWM's "
+     "train.cfg True)"),
+    ("tiny_flux2/grpo_lora.yaml", ["sampling.true_cfg.scale=4.0", "sampling.true_cfg.train=conditional"],
+     "sampling.true_cfg.train: conditional, but grpo's ratio is between log-probs of the guided transition the "
+     "rollout sampled; set sampling.true_cfg.train=guided (or null)"),
+    ("tiny_flux2/grpo_lora.yaml", ["sampling.eval_cfg_scale=0.5"],
+     "sampling.eval_cfg_scale: 0.5; use 1.0 (evals without CFG), a scale above 1 (e.g. 4.0, Flux2KleinPipeline's "
+     "default), or null (the rollouts' true CFG)"),
 ])
 def test_true_cfg_refuses_what_it_cannot_do(preset, overrides, message):
     with pytest.raises(ConfigError) as e:
@@ -387,7 +395,7 @@ def test_true_cfg_is_refused_on_a_guidance_distilled_model():
 
     check_guidance(str(TINY_FLUX2), 1.0, true_cfg=True)
     with pytest.raises(ConfigError, match=r"^sampling.true_cfg: .* is guidance-distilled .* set "
-                                          r"sampling.true_cfg=null$"):
+                                          r"sampling.true_cfg=null and sampling.eval_cfg_scale=null$"):
         check_guidance(str(TINY), 3.5, true_cfg=True)
 
 
@@ -404,3 +412,7 @@ def test_a_checkpoint_from_before_true_cfg_resumes_only_with_it_off():
     on = config_differences(before, to_dict(load_config(preset, ["sampling.true_cfg.scale=4.0"])))
     assert on == ["sampling.true_cfg.negative_prompt='<unset>' in the checkpoint, '' now",
                   "sampling.true_cfg.scale='<unset>' in the checkpoint, 4.0 now"], on
+    # and one guided before train and eval_cfg_scale existed resumes as it ran: guided, evals at the rollouts' CFG
+    guided = to_dict(load_config(preset, ["sampling.true_cfg.scale=4.0"]))
+    del guided["sampling"]["true_cfg"]["train"], guided["sampling"]["eval_cfg_scale"]
+    assert config_differences(guided, to_dict(load_config(preset, ["sampling.true_cfg.scale=4.0"]))) == []

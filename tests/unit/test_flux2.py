@@ -243,3 +243,39 @@ def test_true_cfg_keeps_the_first_pass_ratio_exactly_1_on_every_transition(setup
     for j in tree.trained():
         out = transition(velocity, cond, traj.latents, guided.sigmas, j, guided.sde, tree)
         assert torch.equal(out.log_prob.detach(), traj.log_probs[tree.heads(len(rows), j + 1), j]), j
+
+
+def test_nft_and_awm_train_the_velocity_their_setting_names_and_evals_guide_at_the_eval_scale(setup):
+    """sampling.true_cfg.train: the forward-process objectives' velocity (FluxSampler.velocity_at, which the update,
+    the lagging and the reference call) is the guided one with `guided` and the conditional call alone with
+    `conditional`, while the rollouts guide either way. sampling.eval_cfg_scale: the evals' sampler guides at that
+    scale with the same negative prompt (1.0: not at all), whatever the rollouts do."""
+    import dataclasses
+
+    cfg, parts, sampler, cache = setup
+    negative = FLUX2_KLEIN.encode_prompts(str(TINY_FLUX2), [""], cfg.data.max_sequence_length, torch.device("cpu"))
+    with_negative = PromptCache(cache.prompts, cache.embeds, negative=negative)
+    ids = [0, 1]
+    x, model = sampler.initial_latents(0, ids), parts.transformer
+
+    def at(**kw):
+        s = dataclasses.replace(cfg.sampling, **kw)
+        built = FluxSampler.from_parts(parts, parts.vae, s, cfg.seed, torch.device("cpu"), torch.float32)
+        with torch.no_grad():
+            return built, built.velocity_at(model, x, 2, built.conditioning(with_negative, ids))
+
+    plain = at()[1]
+    guided_sampler, guided = at(true_cfg=TrueCFGConfig(scale=4.0, train="guided"))
+    conditional_sampler, conditional = at(true_cfg=TrueCFGConfig(scale=4.0, train="conditional"))
+    assert torch.equal(conditional, plain) and (guided - plain).abs().max() > 1e-2
+    assert conditional_sampler.velocity(model).__name__ == "v"  # its rollouts still guide
+    # evals: the rollouts' guidance by default; 1.0 = none; 4.0 on a run without CFG = the guided evals
+    assert guided_sampler.for_eval().sampling.true_cfg.scale == 4.0
+    assert at(true_cfg=TrueCFGConfig(scale=4.0, train="guided"), eval_cfg_scale=1.0)[0].for_eval().sampling.true_cfg \
+        is None
+    evaluated = at(eval_cfg_scale=4.0)[0].for_eval()
+    assert evaluated.sampling.true_cfg == TrueCFGConfig(scale=4.0, negative_prompt="")
+    init = evaluated.initial_latents(0, ids)
+    ours = evaluated.sample(model, evaluated.conditioning(with_negative, ids), init, eta=0.0).x0
+    theirs = guided_sampler.sample(model, guided_sampler.conditioning(with_negative, ids), init, eta=0.0).x0
+    assert torch.equal(ours, theirs)

@@ -91,7 +91,8 @@ def _overrides(preset: str) -> list[str]:
 
 # Settings new since a8d41cc, in every preset at the value that keeps the run as it was (dotted key -> value).
 NEW_SETTINGS = {
-    "sampling.true_cfg": None,  # new setting, off: true CFG (issue 53)
+    "sampling.true_cfg": None,  # new setting, off: true CFG
+    "sampling.eval_cfg_scale": None,  # new setting: the evals guide as the rollouts do
 }
 
 

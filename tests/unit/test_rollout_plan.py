@@ -141,6 +141,14 @@ def test_true_cfg_counts_two_forward_equivalents_per_sampler_call():
     off, on = load_config(preset), load_config(preset, ["sampling.true_cfg.scale=4.0"])
     for step in (0, 7):
         assert RolloutPlan.of(on).forwards_per_image(step) == 2 * RolloutPlan.of(off).forwards_per_image(step)
+    # nft/awm: the rollout guides (two calls a step); the update's calls double only when it trains the guided one
+    nft = ROOT / "recipes/configs/tiny_flux2/nft_lora.yaml"
+    plain = RolloutPlan.of(load_config(nft))
+    conditional, guided = (RolloutPlan.of(load_config(nft, ["sampling.true_cfg.scale=4.0",
+                                                            f"sampling.true_cfg.train={t}"]))
+                           for t in ("conditional", "guided"))
+    assert conditional.forwards_per_image(0) == plain.forwards_per_image(0) + plain.rollout_calls(None)
+    assert guided.forwards_per_image(0) == 2 * plain.forwards_per_image(0)
     parts = FLUX2_KLEIN.load_parts(str(TINY_FLUX2))
     rows = []
 
