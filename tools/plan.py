@@ -25,8 +25,9 @@ Per device it counts:
   true CFG       sampling.true_cfg makes every velocity two transformer calls (conditional, then negative). In the
                  update that trains the guided velocity (grpo; nft/awm with train: guided) both calls' graphs are
                  alive until the backward: activations x2 (the backward working set stays one call's); with train:
-                 conditional the update is one call. Rollout, eval and reference run without grad, the two calls in
-                 sequence: one call's peak plus the conditional output [B, S, C] in float32 kept for the combination.
+                 conditional the update is one call. Rollout, eval (also eval_cfg_scale alone) and reference (when
+                 the update trains guided) run without grad, the two calls in sequence: one call's peak plus the
+                 conditional output [B, S, C] in float32 kept for the combination.
   averages       fp32 shards of the trained weights: the eval EMA (ema.decay), nft/awm's lagging policy.
   VAE, rewards   weights (unless offloaded: they then visit the device for their phase only), the decode's peak;
                  rewards scored by a server (remote, vlm_judge) take no device memory.
@@ -426,9 +427,7 @@ def update_calls(cfg: RecipeConfig) -> int:
     """Transformer calls whose graphs the update keeps alive per velocity: 2 when it trains true CFG's guided
     velocity (grpo always: its log-probs are the guided transition's; nft and awm with train: guided), else 1."""
     true_cfg = cfg.sampling.true_cfg
-    if true_cfg is None:
-        return 1
-    return 2 if cfg.algorithm == "grpo" or getattr(true_cfg, "train", "guided") == "guided" else 1
+    return 2 if true_cfg is not None and true_cfg.trains_guided else 1
 
 
 def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_config: dict | None = None,
@@ -512,8 +511,10 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
     per_sample += layout.trained_transitions * terms.latents_per_point * latent_bytes  # the objective's, per point
     trajectories = layout.samples_per_rank * per_sample
     gathered = n_params * b if cfg.deepspeed.gather_for_rollout else in_flight
-    # True CFG without grad: the conditional velocity [r, S, C] in float32 waits while the negative call runs.
-    kept_cond = r * image_tokens * transformer_config["in_channels"] * 4 if cfg.sampling.true_cfg else 0
+    # True CFG without grad (the rollouts', or the evals' alone: eval_cfg_scale): the conditional velocity [r, S, C] in
+    # float32 waits while the negative call runs.
+    guided_no_grad = cfg.sampling.true_cfg is not None or cfg.sampling.eval_true_cfg is not None
+    kept_cond = r * image_tokens * transformer_config["in_channels"] * 4 if guided_no_grad else 0
     cfg_item = {"CFG conditional output": kept_cond} if kept_cond else {}
     opt_step = min(zero["sub_group_size"], math.ceil(n_train / devices)) * 4 if b < 4 else 0
     phases = {
@@ -544,7 +545,7 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
         notes.append(f"{family.name}: the transformer's sequence is {image_tokens} noisy + {ref_tokens} reference "
                      f"(source image) tokens + {text_tokens} text tokens")
     if cfg.sampling.true_cfg:
-        trained = "guided velocity: both calls' activations" if update_calls(cfg) == 2 else "conditional velocity: one call"
+        trained = "guided velocity, both calls' activations" if update_calls(cfg) == 2 else "conditional velocity"
         notes.append(f"true CFG {cfg.sampling.true_cfg.scale}: two transformer calls a velocity; the update trains "
                      f"the {trained}")
     notes.append("allocator fragmentation and the runtime's own context are not counted: keep ~10% headroom")

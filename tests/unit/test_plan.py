@@ -156,3 +156,31 @@ def test_true_cfg_doubles_the_updates_activations_when_it_trains_the_guided_velo
     assert on.phases["rollout"]["rollout activations"] == off.phases["rollout"]["rollout activations"]
     assert "CFG conditional output" not in off.phases["rollout"]
     assert on.resident == off.resident
+
+
+# The forward-process objectives on the tiny FLUX.2 model (no guidance embedding): its nft preset, and the tiny awm
+# preset on its model (there is no tiny FLUX.2 awm preset).
+FORWARD = {"nft": (str(ROOT / "recipes/configs/tiny_flux2/nft_lora.yaml"), []),
+           "awm": (str(ROOT / "recipes/configs/tiny/awm_lora.yaml"), [f"model.path={ROOT / 'assets/tiny-flux2'}"])}
+
+
+@pytest.mark.parametrize("objective", FORWARD)
+def test_true_cfg_on_the_forward_process_objectives_counts_what_the_update_trains(objective):
+    """nft and awm with train: guided keep both calls' activations (x2); with train: conditional the update is one
+    call, as without CFG (its rollouts still guide: the kept conditional output is there either way)."""
+    preset, swap = FORWARD[objective]
+    off = P.plan(load_config(preset, swap), 2)
+    guided, conditional = (P.plan(load_config(preset, [*swap, f"sampling.true_cfg={{scale: 4.0, train: {t}}}"]), 2)
+                           for t in ("guided", "conditional"))
+    assert guided.phases["update"]["activations"] == 2 * off.phases["update"]["activations"] > 0
+    assert conditional.phases["update"]["activations"] == off.phases["update"]["activations"]
+    assert guided.phases["rollout"]["CFG conditional output"] == conditional.phases["rollout"]["CFG conditional output"]
+    assert guided.phases["update"]["backward working set"] == conditional.phases["update"]["backward working set"]
+
+
+def test_evals_with_cfg_alone_count_the_kept_conditional_output():
+    """sampling.eval_cfg_scale above 1 without true CFG in the rollouts (Flow-DPPO's klein-base setting): the evals
+    guide, so a no-grad phase holds the kept conditional output; the update is one call."""
+    off, evals = (P.plan(load_config(TINY_FLUX2, o), 2) for o in ([], ["sampling.eval_cfg_scale=4.0"]))
+    assert evals.phases["rollout"]["CFG conditional output"] > 0
+    assert evals.phases["update"]["activations"] == off.phases["update"]["activations"]
