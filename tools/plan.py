@@ -6,7 +6,7 @@
 
 Nothing is loaded or downloaded: the transformer and the VAE are built on the meta device from their config.json
 (from model.path, the local Hugging Face cache, or flux_configs.json next to this file for FLUX.1-dev/schnell,
-FLUX.2 [dev] and [klein] 4B/9B).
+FLUX.2 [dev], [klein] 4B/9B and [klein] base 4B/9B).
 Per device it counts:
 
   model states   ZeRO-3 partitions: weights (b bytes per parameter / N, b = 2 in bf16, 4 in fp32), gradients

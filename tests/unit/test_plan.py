@@ -40,6 +40,17 @@ def test_flux1_dev_config_is_shipped_and_has_12b_parameters():
         P.model_configs("nobody/no-such-model")
 
 
+@pytest.mark.parametrize("size", ["4B", "9B"])
+def test_klein_base_ships_kleins_configs_and_family(size):
+    """FLUX.2 [klein] base is the model klein was step-distilled from: the same transformer and VAE (the shipped
+    configs; a downloaded folder's own are read first), the same family (Flux2KleinPipeline)."""
+    from grpo.models.flux2 import FLUX2_KLEIN
+
+    base = f"black-forest-labs/FLUX.2-klein-base-{size}"
+    assert P.model_configs(base) == P.model_configs(f"black-forest-labs/FLUX.2-klein-{size}")
+    assert P.model_family(base, P.model_configs(base)[0]) is FLUX2_KLEIN
+
+
 def test_parse_bytes():
     assert P.parse_bytes("64GB") == 64 * 2**30
     assert P.parse_bytes("80 GiB") == 80 * 2**30
