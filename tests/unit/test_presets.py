@@ -53,7 +53,8 @@ MOVED = {
 }
 # Presets new since a8d41cc (no oracle entry): every objective on every real family.
 NEW = ["recipes/configs/flux2_klein/awm_lora.yaml", "recipes/configs/flux2_dev/nft_lora.yaml",
-       "recipes/configs/flux2_dev/awm_lora.yaml", "recipes/configs/flux1_kontext_dev/awm_lora.yaml"]
+       "recipes/configs/flux2_dev/awm_lora.yaml", "recipes/configs/flux1_kontext_dev/awm_lora.yaml",
+       "recipes/configs/tiny_flux2/awm_lora.yaml"]
 REAL = ("flux1_dev", "flux1_kontext_dev", "flux2_klein", "flux2_dev")  # the real models' folders
 TINY_PROMPTS = "assets/prompts/tiny_train.txt"  # what every FLUX.1-dev preset trained on before it had to be given
 
