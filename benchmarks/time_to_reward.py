@@ -8,7 +8,8 @@ baseline runs `--budget-steps` steps; each strategy runs as many steps as fit in
 held-out reward (eta = 0, the same fixed noise for every run, so the comparison is paired) is read every few steps.
 
     python benchmarks/time_to_reward.py [--budget-steps 40] [--only NAME ...] [--seeds 42 ...] [--eval-seeds N]
-                                        [--family flux1|flux2] [--out runs/time_to_reward] [--reuse] [--smoke]
+                                        [--eval-cfg-scale W] [--family flux1|flux2] [--out runs/time_to_reward]
+                                        [--reuse] [--smoke]
 
 `--family flux2` runs the same presets on the tiny FLUX.2 [klein] world (assets/tiny-flux2): each resolved with
 recipes/configs/tiny_flux2/base.yaml, the tiny FLUX.2 model base, in place of tiny/base.yaml.
@@ -53,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # name -> (preset, overrides, what it is). The fast presets scale their sources' windows to the tiny world's 6 steps;
 # nft and awm follow Flow-Factory's FLUX examples (2 noise levels per image). Every preset shares the default run's
 # batch, LoRA, learning rate and seed.
+CFG = ["sampling.true_cfg.scale=4.0"]
 STRATEGIES: dict[str, tuple[str, list[str], str]] = {
     "dancegrpo": ("recipes/configs/tiny/grpo_lora.yaml", [], "every step SDE, every transition trained (DanceGRPO)"),
     "mixgrpo": ("recipes/configs/tiny/mixgrpo_lora.yaml", [], "Flow-SDE window of 2 sliding every 4 steps (MixGRPO)"),
@@ -107,6 +109,20 @@ STRATEGIES: dict[str, tuple[str, list[str], str]] = {
                        "AWM on the best 2 + worst 2 of 8 candidates, previewed in 3 ODE steps (Sol-RL)"),
     "opgrpo": ("recipes/configs/experimental/tiny_opgrpo_lora.yaml", [],
                "DanceGRPO + a replay block of past best trajectories a step, importance-weighted (OP-GRPO)"),
+    # True CFG in the rollouts (Flux2KleinPipeline's scale 4, negative prompt ""): for a non-distilled model such as
+    # the tiny FLUX.2 [klein] world; read with --eval-cfg-scale, so every run is judged at one inference setting
+    "dancegrpo_cfg": ("recipes/configs/tiny/grpo_lora.yaml", [*CFG],
+                      "DanceGRPO with true CFG 4 in the rollouts and the update (the guided transitions)"),
+    "nft_cfg": ("recipes/configs/tiny/nft_lora.yaml", [*CFG, "sampling.true_cfg.train=conditional"],
+                "DiffusionNFT on rollouts with true CFG 4, training the conditional velocity"),
+    "nft_cfg_guided": ("recipes/configs/tiny/nft_lora.yaml", [*CFG, "sampling.true_cfg.train=guided"],
+                       "DiffusionNFT on rollouts with true CFG 4, training the guided velocity"),
+    "awm_group_noise_cfg": ("recipes/configs/tiny/awm_lora.yaml", [*CFG, "sampling.true_cfg.train=conditional"],
+                            "AWM (group noise) on rollouts with true CFG 4, training the conditional velocity "
+                            "(AWM's train.cfg False)"),
+    "awm_group_noise_cfg_guided": ("recipes/configs/tiny/awm_lora.yaml", [*CFG, "sampling.true_cfg.train=guided"],
+                                   "AWM (group noise) on rollouts with true CFG 4, training the guided velocity "
+                                   "(AWM's train.cfg True)"),
 }
 
 # The model base each family's runs resolve the strategy presets on, in place of the tiny FLUX.1 world's (their own:
@@ -238,6 +254,9 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[42], help="training seeds; curves are averaged")
     parser.add_argument("--eval-seeds", type=int, default=None,
                         help="held-out images per prompt (default: the presets' logging.eval_seeds)")
+    parser.add_argument("--eval-cfg-scale", type=float, default=None,
+                        help="every run's held-out evals at this true CFG scale (sampling.eval_cfg_scale; 1 = none), "
+                             "whatever its rollouts use; default: each run's own")
     parser.add_argument("--family", choices=list(FAMILIES), default="flux1",
                         help="flux2: the tiny FLUX.2 [klein] world (assets/tiny-flux2) instead of tiny FLUX.1")
     parser.add_argument("--out", default="runs/time_to_reward")
@@ -248,6 +267,8 @@ def main() -> None:
     extra = [*(SMOKE if args.smoke else [])]
     if args.eval_seeds is not None:
         extra = [*extra, f"logging.eval_seeds={args.eval_seeds}"]
+    if args.eval_cfg_scale is not None:
+        extra = [*extra, f"sampling.eval_cfg_scale={args.eval_cfg_scale}"]
     if args.smoke:
         args.only = ["mixgrpo_flash"]
     budget_steps = 2 if args.smoke else args.budget_steps

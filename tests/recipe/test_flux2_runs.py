@@ -5,10 +5,13 @@ Short runs of the real recipe through torchrun (8 images a step, 4 steps a traje
 
     two     grpo + LoRA, 2 steps, 2 processes, a checkpoint every step
     nft     DiffusionNFT + LoRA (the lagging policy), 2 steps, 2 processes
-    cfg     grpo + LoRA with true CFG (sampling.true_cfg), 2 steps, 2 processes, a held-out eval
+    cfg     grpo + LoRA with true CFG (sampling.true_cfg), 2 steps, 2 processes, a checkpoint every step, a held-out
+            eval
+    awm_cfg AWM + LoRA with true CFG training the guided velocity, the same
     full    grpo, full fine-tune, 1 step, 2 processes (-m slow)
-    one     two's run on 1 process (-m slow)
-    resumed 2 processes from two's step-1 checkpoint to step 2 (-m slow)
+    one     two's run (and each cfg run) on 1 process (-m slow)
+    resumed 2 processes from two's (each cfg run's) step-1 checkpoint to step 2 (-m slow)
+    cfg_full grpo, full fine-tune with true CFG, 1 step, 2 processes (-m slow)
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from tests.recipe.launch import (SMALL, assert_resumed_step_exact, assert_two_st
                                  train_rows, two_one_resumed)
 
 pytestmark = pytest.mark.skipif(not (TINY_FLUX2 / "model_index.json").exists(), reason="tiny FLUX.2 not built")
-GRPO, FULL, NFT = (f"recipes/configs/tiny_flux2/{n}.yaml" for n in ("grpo_lora", "grpo_full", "nft_lora"))
+GRPO, FULL, NFT, AWM = (f"recipes/configs/tiny_flux2/{n}.yaml" for n in ("grpo_lora", "grpo_full", "nft_lora",
+                                                                          "awm_lora"))
 
 
 def _run(tmp, name: str, config: str, nproc: int, extra: list[str]) -> dict:
@@ -62,14 +66,67 @@ def test_the_first_pass_ratio_is_exactly_one(runs):
     assert [r["ratio_max_dev"] for r in runs["two"]["rows"]] == [0.0, 0.0]
 
 
-def test_true_cfg_keeps_the_first_pass_ratio_exactly_one(run):
+# True CFG as Flux2KleinPipeline guides klein base (guidance_scale 4, negative prompt ""): grpo trains the guided
+# transitions; AWM here the guided velocity (sampling.true_cfg.train, AWM's train.cfg True), so both branches are
+# under grad in its update. Every step checkpointed, for the 1-vs-2 and resume chains.
+CFG = {"grpo": (GRPO, [*GRPO_ARGS, "sampling.true_cfg.scale=4.0", "logging.eval_every=2"]),
+       "awm": (AWM, ["max_steps=2", "checkpoint.every=1", "checkpoint.keep=2", "optim.lr=1e-2",
+                     "sampling.true_cfg.scale=4.0", "sampling.true_cfg.train=guided", "logging.eval_every=2"])}
+
+
+@pytest.fixture(scope="module")
+def cfg_runs(run):
+    return {name: run(f"{name}_cfg", config, 2, extra) for name, (config, extra) in CFG.items()}
+
+
+def test_true_cfg_keeps_the_first_pass_ratio_exactly_one(cfg_runs):
     """grpo with true CFG (sampling.true_cfg, Flux2KleinPipeline's guidance_scale 4 and negative prompt ""): the
-    rollout, the update and the held-out eval sample the guided velocity; ratio_max_dev is exactly 0.0."""
-    out = run("cfg", GRPO, 2, ["max_steps=2", "checkpoint.every=0", "sampling.true_cfg.scale=4.0",
-                               "logging.eval_every=2"])
+    rollout, the update and the held-out eval sample the guided velocity; ratio_max_dev is exactly 0.0. AWM with
+    it trains; both encode the negative prompt once and evaluate guided."""
+    out = cfg_runs["grpo"]
     assert [r["ratio_max_dev"] for r in out["rows"]] == [0.0, 0.0]
     assert list((out["dir"].parent / "cache").glob("negative-*.safetensors"))  # encoded once, beside the prompts'
-    assert [r["step"] for r in metrics_rows(out["dir"]) if "eval/reward_mean" in r] == [0, 2]
+    for run in cfg_runs.values():
+        assert [r["step"] for r in metrics_rows(run["dir"]) if "eval/reward_mean" in r] == [0, 2]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in cfg_runs["awm"]["rows"])
+
+
+@pytest.mark.parametrize("name", list(CFG))
+def test_a_lora_trained_with_true_cfg_loads_into_flux2_klein_and_changes_the_guided_image(cfg_runs, name):
+    from diffusers import Flux2KleinPipeline
+
+    pipe = Flux2KleinPipeline.from_pretrained(str(TINY_FLUX2), dtype=torch.float32)
+    base = _images(pipe, guidance_scale=4.0)
+    pipe.load_lora_weights(str(cfg_runs[name]["dir"] / "final" / "lora"))
+    assert (_images(pipe, guidance_scale=4.0) - base).abs().max() > 1e-3
+
+
+@pytest.fixture(scope="module", params=list(CFG))
+def cfg_chain(request, run, cfg_runs):
+    config, extra = CFG[request.param]
+    return two_one_resumed(functools.partial(_prefixed, run, request.param), config, extra,
+                           two=cfg_runs[request.param])
+
+
+def _prefixed(run, prefix: str, name: str, config: str, nproc: int, extra: list[str]) -> dict:
+    return run(f"{prefix}_cfg_{name}", config, nproc, extra)
+
+
+@pytest.mark.slow
+def test_with_true_cfg_one_and_two_processes_train_the_same(cfg_chain):
+    assert_two_steps_agree(cfg_chain["one"], cfg_chain["two"])
+
+
+@pytest.mark.slow
+def test_with_true_cfg_a_resumed_run_ends_where_the_uninterrupted_one_does(cfg_chain):
+    assert_resumed_step_exact(cfg_chain["two"], cfg_chain["resumed"])
+
+
+@pytest.mark.slow
+def test_the_full_fine_tune_with_true_cfg_keeps_the_first_pass_ratio(run):
+    out = run("cfg_full", FULL, 2, ["max_steps=1", "checkpoint.every=1", "optim.lr=1e-3",
+                                    "sampling.true_cfg.scale=4.0"])
+    assert [r["ratio_max_dev"] for r in out["rows"]] == [0.0]
 
 
 # The full fine-tune of the family-agnostic engine is in the default tier on FLUX.1
@@ -91,10 +148,10 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(chain):
     assert_resumed_step_exact(chain["two"], chain["resumed"])
 
 
-def _images(pipe) -> torch.Tensor:
+def _images(pipe, guidance_scale: float = 1.0) -> torch.Tensor:
     with torch.no_grad():
         return pipe(prompt=["a red circle on a blue background"] * 2, height=64, width=64, num_inference_steps=4,
-                    guidance_scale=1.0, max_sequence_length=32, output_type="pt",
+                    guidance_scale=guidance_scale, max_sequence_length=32, output_type="pt",
                     generator=[torch.Generator().manual_seed(i) for i in range(2)]).images.float()
 
 
