@@ -1,6 +1,6 @@
 """Resume on another number of processes: a checkpoint written by 2 processes continued on 1, and one written by 1
 continued on 2, each against the same uninterrupted 2-process run (grpo LoRA with EMA, grpo full fine-tune, nft LoRA
-with its lagging policy, awm LoRA with its EMA anchor).
+with its lagging policy, awm LoRA with its EMA anchor, and awm LoRA with true CFG on the tiny FLUX.2).
 
     A   2 processes, steps 0..2, a checkpoint after every step
     B   1 process, resumed from A's step-1 checkpoint (2 -> 1), to step 2
@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from grpo import checkpoint as ckpt
 from grpo.config import load_config, to_dict
-from tests import ROOT, TINY, snapshot
+from tests import ROOT, TINY, TINY_FLUX2, snapshot
 from tests.recipe.launch import one_error_line, run_recipe, run_script, tiny_run, train_rows, trained_weights
 
 STEPS = 3
@@ -37,6 +37,11 @@ CASES = {
     "nft_lora": ("recipes/configs/tiny/nft_lora.yaml", ["nft.lag_rate=0.25"]),
     # awm's lagging policy is its EMA anchor; the same decay for the same reason
     "awm_lora": ("recipes/configs/tiny/awm_lora.yaml", ["awm.lag_rate=0.25"]),
+    # true CFG on the non-distilled tiny FLUX.2, AWM training the guided velocity: the negative prompt's cache and
+    # both branches' calls on every rank, whatever their number
+    "awm_cfg_flux2": ("recipes/configs/tiny_flux2/awm_lora.yaml",
+                      [f"model.path={TINY_FLUX2}", "awm.lag_rate=0.25", "ema.decay=0.9",
+                       "sampling.true_cfg.scale=4.0", "sampling.true_cfg.train=guided"]),
 }
 LAGGING = ("nft", "awm")  # the objectives with a lagging policy
 
