@@ -126,12 +126,24 @@ def _guidance_embeds(model_path: str) -> bool:
     return bool(cls.load_config(Path(model_path) / "transformer").get("guidance_embeds", default))
 
 
+def _step_distilled(model_path: str) -> bool:
+    """model_index.json's is_distilled: the step-distilled FLUX.2 [klein] (true), not klein base (false)."""
+    index = Path(model_path) / "model_index.json"
+    return index.is_file() and bool(json.loads(index.read_text()).get("is_distilled", False))
+
+
 def check_guidance(model_path: str, guidance: float, true_cfg: bool = False) -> None:
     """A transformer without a guidance embedding (FLUX.2 [klein], FLUX.1-schnell) has no use for
     sampling.guidance, which would be silently ignored: refused instead (its guidance is true CFG,
     sampling.true_cfg). A transformer with one (FLUX.1-dev, Kontext, FLUX.2 [dev]) is guidance-distilled: true
     CFG on it is refused. Flux2Pipeline ([dev]) has no negative prompt at all; FluxPipeline and FluxKontextPipeline
-    take a true_cfg_scale beside the embedding, which the recipe does not build (yet)."""
+    take a true_cfg_scale beside the embedding, which the recipe does not build (yet). The step-distilled klein
+    (is_distilled: true) is refused true CFG too: Flux2KleinPipeline ignores guidance_scale on it, so a guided
+    rollout would be a sampler no user runs."""
+    if true_cfg and _step_distilled(model_path):
+        raise ConfigError(f"sampling.true_cfg: {model_path} is step-distilled (model_index.json is_distilled: true) "
+                          "and Flux2KleinPipeline ignores guidance on it; set sampling.true_cfg=null and "
+                          "sampling.eval_cfg_scale=null, or train klein base (recipes/configs/flux2_klein_base/)")
     embeds = _guidance_embeds(model_path)
     if not embeds and guidance != 1.0:
         raise ConfigError(f"sampling.guidance: {guidance}, but {model_path} has no guidance embedding (its "

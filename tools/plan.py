@@ -6,7 +6,7 @@
 
 Nothing is loaded or downloaded: the transformer and the VAE are built on the meta device from their config.json
 (from model.path, the local Hugging Face cache, or flux_configs.json next to this file for FLUX.1-dev/schnell,
-FLUX.2 [dev] and [klein] 4B/9B).
+FLUX.2 [dev], [klein] 4B/9B and [klein] base 4B/9B).
 Per device it counts:
 
   model states   ZeRO-3 partitions: weights (b bytes per parameter / N, b = 2 in bf16, 4 in fp32), gradients
@@ -22,6 +22,12 @@ Per device it counts:
   rollout        the full gathered weights (deepspeed.gather_for_rollout) or ZeRO-3's in-flight parameters, and the
                  peak of live tensors of one no-grad forward (traced), plus the trajectories kept until the update.
   reference      full fine-tune with kl_coef > 0: a second set of weight partitions; LoRA: nothing (adapters off).
+  true CFG       sampling.true_cfg makes every velocity two transformer calls (conditional, then negative). In the
+                 update that trains the guided velocity (grpo; nft/awm with train: guided) both calls' graphs are
+                 alive until the backward: activations x2 (the backward working set stays one call's); with train:
+                 conditional the update is one call. Rollout, eval (also eval_cfg_scale alone) and reference (when
+                 the update trains guided) run without grad, the two calls in sequence: one call's peak plus the
+                 conditional output [B, S, C] in float32 kept for the combination.
   averages       fp32 shards of the trained weights: the eval EMA (ema.decay), nft/awm's lagging policy.
   VAE, rewards   weights (unless offloaded: they then visit the device for their phase only), the decode's peak;
                  rewards scored by a server (remote, vlm_judge) take no device memory.
@@ -417,6 +423,13 @@ def _reward_bytes(rewards: dict) -> tuple[int, int, list[str]]:
     return resident, visiting, notes
 
 
+def update_calls(cfg: RecipeConfig) -> int:
+    """Transformer calls whose graphs the update keeps alive per velocity: 2 when it trains true CFG's guided
+    velocity (grpo always: its log-probs are the guided transition's; nft and awm with train: guided), else 1."""
+    true_cfg = cfg.sampling.true_cfg
+    return 2 if true_cfg is not None and true_cfg.trains_guided else 1
+
+
 def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_config: dict | None = None,
          vae_config: dict | None = None, family: ModelFamily | None = None) -> Plan:
     """Per-device memory of one GRPO step of `cfg` on `devices` processes (see the module docstring). `family`:
@@ -467,6 +480,7 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
         resident["lagging policy"] = average
 
     activations, backward = t.update_bytes(cfg.model.gradient_checkpointing)
+    activations *= update_calls(cfg)
     r = layout.rollout_micro_batch_size  # rollouts, reference and eval run without gradients at this micro-batch
     rollout_peak = (t if r == m else transformer_trace(transformer_config, dtype, cfg.lora, r, seq_tokens,
                                                        text_tokens)).no_grad_peak
@@ -497,10 +511,15 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
     per_sample += layout.trained_transitions * terms.latents_per_point * latent_bytes  # the objective's, per point
     trajectories = layout.samples_per_rank * per_sample
     gathered = n_params * b if cfg.deepspeed.gather_for_rollout else in_flight
+    # True CFG without grad (the rollouts', or the evals' alone: eval_cfg_scale): the conditional velocity [r, S, C] in
+    # float32 waits while the negative call runs.
+    guided_no_grad = cfg.sampling.true_cfg is not None or cfg.sampling.eval_true_cfg is not None
+    kept_cond = r * image_tokens * transformer_config["in_channels"] * 4 if guided_no_grad else 0
+    cfg_item = {"CFG conditional output": kept_cond} if kept_cond else {}
     opt_step = min(zero["sub_group_size"], math.ceil(n_train / devices)) * 4 if b < 4 else 0
     phases = {
         "rollout": {"gathered weights" if cfg.deepspeed.gather_for_rollout else "params in flight": gathered,
-                    "rollout activations": rollout_peak, "rollout batch": trajectories},
+                    "rollout activations": rollout_peak, **cfg_item, "rollout batch": trajectories},
         "decode": {"rollout batch": trajectories, "VAE decode": vae_decode,
                    **({"VAE (visiting)": vae_weights} if cfg.model.offload_vae else {})},
         "reward": {"rollout batch": trajectories,
@@ -515,7 +534,9 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
         phases["update"]["replay batch"] = layout.samples_per_rank_per_update * entry
     if terms.reference_phase:
         lora_gather = cfg.lora is not None and cfg.deepspeed.gather_for_rollout
+        # The reference and lagging velocities are what the update compares against: guided when it trains guided.
         phases["reference"] = {"rollout batch": trajectories, "reference activations": rollout_peak,
+                               **(cfg_item if update_calls(cfg) == 2 else {}),
                                "gathered weights" if lora_gather else "params in flight":
                                    n_params * b if lora_gather else in_flight}
     if zero["offload_optimizer"]:
@@ -523,6 +544,10 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
     if ref_tokens:
         notes.append(f"{family.name}: the transformer's sequence is {image_tokens} noisy + {ref_tokens} reference "
                      f"(source image) tokens + {text_tokens} text tokens")
+    if cfg.sampling.true_cfg:
+        trained = "guided velocity, both calls' activations" if update_calls(cfg) == 2 else "conditional velocity"
+        notes.append(f"true CFG {cfg.sampling.true_cfg.scale}: two transformer calls a velocity; the update trains "
+                     f"the {trained}")
     notes.append("allocator fragmentation and the runtime's own context are not counted: keep ~10% headroom")
     return Plan(devices, resident, phases, host, notes, n_params, n_train, seq_tokens)
 

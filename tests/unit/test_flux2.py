@@ -103,6 +103,26 @@ def test_a_guidance_the_model_cannot_take_is_refused():
         check_guidance(str(TINY_FLUX2), 3.5)
 
 
+def test_true_cfg_on_a_step_distilled_klein_is_refused(tmp_path):
+    """Flux2KleinPipeline ignores guidance_scale on a step-distilled klein (model_index.json is_distilled: true): true
+    CFG there is refused in one line; on klein base (the tiny FLUX.2 folder, is_distilled: false) it is allowed."""
+    import json
+    import shutil
+
+    from grpo.errors import ConfigError
+    from grpo.inputs import check_guidance
+
+    check_guidance(str(TINY_FLUX2), 1.0, true_cfg=True)
+    distilled = tmp_path / "klein"
+    shutil.copytree(TINY_FLUX2 / "transformer", distilled / "transformer")
+    index = json.loads((TINY_FLUX2 / "model_index.json").read_text())
+    (distilled / "model_index.json").write_text(json.dumps({**index, "is_distilled": True}))
+    check_guidance(str(distilled), 1.0)  # without CFG, as Black Forest Labs samples it
+    with pytest.raises(ConfigError, match=r"^sampling.true_cfg: .* is step-distilled .* ignores guidance on it; set "
+                                          r"sampling.true_cfg=null .*\(recipes/configs/flux2_klein_base/\)$"):
+        check_guidance(str(distilled), 1.0, true_cfg=True)
+
+
 def test_the_attention_backend_reaches_every_flux2_processor():
     """model.attention_backend (e.g. _native_npu on Ascend) goes through diffusers' dispatcher: FLUX.2's double-block
     and fused single-block attention both take it."""

@@ -270,7 +270,7 @@ def test_the_planner_counts_the_reference_tokens():
     assert plan(load_config(ROOT / "recipes/configs/tiny_flux2/grpo_lora.yaml",
                             [f"data.train_prompts={EDITS}"]), 2, family=FLUX2_KLEIN).image_tokens == 128
     # the real klein editing preset: 512 px, 1024 noisy + 1024 reference tokens (configs shipped in tools/)
-    edit = load_config(ROOT / "recipes/configs/flux2_klein/edit_nft_lora.yaml",
+    edit = load_config(ROOT / "recipes/configs/experimental/flux2_klein_edit_nft_lora.yaml",
                        [f"data.train_prompts={EDITS}", "data.eval_prompts=null"])
     assert plan(edit, 8, family=FLUX2_KLEIN).image_tokens == 2 * 1024
 

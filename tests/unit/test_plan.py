@@ -40,6 +40,17 @@ def test_flux1_dev_config_is_shipped_and_has_12b_parameters():
         P.model_configs("nobody/no-such-model")
 
 
+@pytest.mark.parametrize("size", ["4B", "9B"])
+def test_klein_base_ships_kleins_configs_and_family(size):
+    """FLUX.2 [klein] base is the model klein was step-distilled from: the same transformer and VAE (the shipped
+    configs; a downloaded folder's own are read first), the same family (Flux2KleinPipeline)."""
+    from grpo.models.flux2 import FLUX2_KLEIN
+
+    base = f"black-forest-labs/FLUX.2-klein-base-{size}"
+    assert P.model_configs(base) == P.model_configs(f"black-forest-labs/FLUX.2-klein-{size}")
+    assert P.model_family(base, P.model_configs(base)[0]) is FLUX2_KLEIN
+
+
 def test_parse_bytes():
     assert P.parse_bytes("64GB") == 64 * 2**30
     assert P.parse_bytes("80 GiB") == 80 * 2**30
@@ -134,3 +145,47 @@ def test_the_replay_buffer_is_counted_in_host_memory_and_its_block_in_the_update
     entry = (r.truncate + 1) * latent + r.truncate * 4
     assert p.host == {"replay buffer (every rank)": r.size * entry} and off.host == {}
     assert p.phase_total("update") - off.phase_total("update") == 16 * entry  # 32 images a block over 2 ranks
+
+
+# ------------------------------------------------------------------------------------------------------- true CFG
+TINY_FLUX2 = str(ROOT / "recipes/configs/tiny_flux2/grpo_lora.yaml")
+CFG = "sampling.true_cfg={scale: 4.0}"
+
+
+def test_true_cfg_doubles_the_updates_activations_when_it_trains_the_guided_velocity():
+    """grpo trains the guided transition: the conditional and the negative call's graphs are both alive until the
+    backward, so the update's activations are exactly twice one call's; the backward frees one graph before the
+    other, so its working set is unchanged. Without grad (rollout, reference) the calls run in sequence: one call's
+    peak plus the conditional output [r, S, C] in float32."""
+    off, on = (P.plan(load_config(TINY_FLUX2, o), 2) for o in ([], [CFG]))
+    assert P.update_calls(load_config(TINY_FLUX2, [CFG])) == 2
+    assert on.phases["update"]["activations"] == 2 * off.phases["update"]["activations"] > 0
+    assert on.phases["update"]["backward working set"] == off.phases["update"]["backward working set"]
+    channels = P.model_configs(str(ROOT / "assets/tiny-flux2"))[0]["in_channels"]
+    r = load_config(TINY_FLUX2).batch.rollout_micro_batch
+    assert on.phases["rollout"]["CFG conditional output"] == r * on.image_tokens * channels * 4  # float32
+    assert on.phases["rollout"]["rollout activations"] == off.phases["rollout"]["rollout activations"]
+    assert "CFG conditional output" not in off.phases["rollout"]
+    assert on.resident == off.resident
+
+
+@pytest.mark.parametrize("objective", ["nft", "awm"])
+def test_true_cfg_on_the_forward_process_objectives_counts_what_the_update_trains(objective):
+    """nft and awm with train: guided keep both calls' activations (x2); with train: conditional the update is one
+    call, as without CFG (its rollouts still guide: the kept conditional output is there either way)."""
+    preset = str(ROOT / f"recipes/configs/tiny_flux2/{objective}_lora.yaml")
+    off = P.plan(load_config(preset), 2)
+    guided, conditional = (P.plan(load_config(preset, [f"sampling.true_cfg={{scale: 4.0, train: {t}}}"]), 2)
+                           for t in ("guided", "conditional"))
+    assert guided.phases["update"]["activations"] == 2 * off.phases["update"]["activations"] > 0
+    assert conditional.phases["update"]["activations"] == off.phases["update"]["activations"]
+    assert guided.phases["rollout"]["CFG conditional output"] == conditional.phases["rollout"]["CFG conditional output"]
+    assert guided.phases["update"]["backward working set"] == conditional.phases["update"]["backward working set"]
+
+
+def test_evals_with_cfg_alone_count_the_kept_conditional_output():
+    """sampling.eval_cfg_scale above 1 without true CFG in the rollouts (Flow-DPPO's klein-base setting): the evals
+    guide, so a no-grad phase holds the kept conditional output; the update is one call."""
+    off, evals = (P.plan(load_config(TINY_FLUX2, o), 2) for o in ([], ["sampling.eval_cfg_scale=4.0"]))
+    assert evals.phases["rollout"]["CFG conditional output"] > 0
+    assert evals.phases["update"]["activations"] == off.phases["update"]["activations"]

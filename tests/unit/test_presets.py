@@ -42,20 +42,30 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "recipes/configs"
 ORACLE = json.loads((ROOT / "tests/unit/data/presets_a8d41cc.json").read_text())
 
-# Presets that moved since a8d41cc: measured below DanceGRPO or collapsed (their headers say how), out of the model
-# folders.
+# Presets that moved since a8d41cc, out of the model folders: measured below DanceGRPO or collapsed (their headers say
+# how), or on the step-distilled klein with an objective no source trains it with (the field trains klein base:
+# flux2_klein_base/).
 MOVED = {
     "recipes/configs/tiny/opgrpo_lora.yaml": "recipes/configs/experimental/tiny_opgrpo_lora.yaml",
     "recipes/configs/flux1_dev/opgrpo_lora.yaml": "recipes/configs/experimental/flux1_dev_opgrpo_lora.yaml",
     "recipes/configs/tiny/grpo_candidates_lora.yaml": "recipes/configs/experimental/tiny_grpo_candidates_lora.yaml",
     "recipes/configs/tiny/mixgrpo_flash_frozen_lora.yaml":
         "recipes/configs/experimental/tiny_mixgrpo_flash_frozen_lora.yaml",
+    "recipes/configs/flux2_klein/nft_lora.yaml": "recipes/configs/experimental/flux2_klein_nft_lora.yaml",
+    "recipes/configs/flux2_klein/edit_nft_lora.yaml": "recipes/configs/experimental/flux2_klein_edit_nft_lora.yaml",
 }
-# Presets new since a8d41cc (no oracle entry): every objective on every real family.
-NEW = ["recipes/configs/flux2_klein/awm_lora.yaml", "recipes/configs/flux2_dev/nft_lora.yaml",
+# Presets new since a8d41cc (no oracle entry): every objective on every real family, and FLUX.2 [klein] base with
+# true CFG.
+NEW = ["recipes/configs/experimental/flux2_klein_awm_lora.yaml", "recipes/configs/flux2_dev/nft_lora.yaml",
        "recipes/configs/flux2_dev/awm_lora.yaml", "recipes/configs/flux1_kontext_dev/awm_lora.yaml",
-       "recipes/configs/tiny_flux2/awm_lora.yaml"]
-REAL = ("flux1_dev", "flux1_kontext_dev", "flux2_klein", "flux2_dev")  # the real models' folders
+       "recipes/configs/tiny_flux2/awm_lora.yaml",
+       *(f"recipes/configs/flux2_klein_base/{name}.yaml" for name in
+         ("grpo_lora", "grpo_full", "nft_lora", "nft_full", "awm_lora", "awm_full", "grpo_lora_9b", "nft_lora_9b",
+          "awm_lora_9b"))]
+REAL = ("flux1_dev", "flux1_kontext_dev", "flux2_klein", "flux2_klein_base", "flux2_dev")  # the real models' folders
+# Every objective has a preset on these; the step-distilled klein keeps GRPO only, the objective a source trains it
+# with (Flow-Factory's examples/grpo/*/flux2_klein): its nft and awm presets are experimental.
+EVERY_OBJECTIVE = tuple(m for m in REAL if m != "flux2_klein")
 TINY_PROMPTS = "assets/prompts/tiny_train.txt"  # what every FLUX.1-dev preset trained on before it had to be given
 
 
@@ -94,7 +104,7 @@ def deliberate(preset: str) -> dict[str, object]:
     if _real(preset):
         # No tiny-world file in a real model's preset: its held-out prompts are given, or null (issue 52, item 2).
         changes["data.eval_prompts"] = None
-    if Path(preset).parent.name in ("flux2_klein", "flux2_dev"):
+    if Path(OLD.get(preset, preset)).parent.name in ("flux2_klein", "flux2_dev"):
         # FLUX.2's own sampler, nothing of FLUX.1's: the pipelines' dynamic shift (compute_empirical_mu), not 3.0
         changes["sampling.shift"] = "dynamic"
     return changes
@@ -160,7 +170,7 @@ def test_the_default_run_resolves_exactly_as_at_a8d41cc():
 
 
 @pytest.mark.parametrize("objective", ["grpo", "nft", "awm"])
-@pytest.mark.parametrize("model", REAL)
+@pytest.mark.parametrize("model", EVERY_OBJECTIVE)
 def test_every_objective_has_a_preset_on_every_real_model(model, objective):
     preset = f"recipes/configs/{model}/{objective}_lora.yaml"
     assert preset in RUNNABLE
@@ -217,7 +227,7 @@ def test_bases_name_no_objective_and_objectives_no_model():
     assert "extends" not in shared and not {"algorithm", "rewards", "max_steps"} & shared.keys()
 
 
-@pytest.mark.parametrize("base", ["flux2_klein", "flux2_dev", "tiny_flux2", "tiny_kontext"])
+@pytest.mark.parametrize("base", ["flux2_klein", "flux2_klein_base", "flux2_dev", "tiny_flux2", "tiny_kontext"])
 def test_flux2_and_the_tiny_worlds_inherit_no_flux1_sampler(base):
     """FLUX.2 [klein] and [dev] have their own sampler (the pipelines' dynamic shift); the tiny FLUX.2 and Kontext
     bases restate the tiny world's instead of extending the FLUX.1 tiny base."""
@@ -411,7 +421,9 @@ def hub_cache(tmp_path, monkeypatch):
                  "black-forest-labs/FLUX.1-Kontext-dev": "FluxKontextPipeline",
                  "black-forest-labs/FLUX.2-dev": "Flux2Pipeline",
                  "black-forest-labs/FLUX.2-klein-4B": "Flux2KleinPipeline",
-                 "black-forest-labs/FLUX.2-klein-9B": "Flux2KleinPipeline"}
+                 "black-forest-labs/FLUX.2-klein-9B": "Flux2KleinPipeline",
+                 "black-forest-labs/FLUX.2-klein-base-4B": "Flux2KleinPipeline",
+                 "black-forest-labs/FLUX.2-klein-base-9B": "Flux2KleinPipeline"}
     for repo, pipeline in pipelines.items():
         folder = tmp_path / "hub" / ("models--" + repo.replace("/", "--"))
         snapshot = folder / "snapshots" / ("0" * 40)
