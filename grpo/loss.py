@@ -159,8 +159,11 @@ def grpo_loss(
         policy = torch.maximum(unclipped, clipped)
     else:
         keep, tr_kl = trust_region_keep(ratio, adv, trust_region)
-        # where, not a product: an overflowing ratio (inf) of a masked sample would make inf * 0 = nan
-        policy = torch.where(keep, unclipped, torch.zeros((), dtype=unclipped.dtype, device=unclipped.device))
+        # A masked sample's term and gradient are 0, also where its ratio overflowed (inf): its log-ratio is taken
+        # out before the exp, as the sources' torch.where does for the loss alone (their gradient is then
+        # inf * 0 = nan). A kept sample's ratio is the same exp of the same number, bit for bit.
+        kept = torch.exp(torch.where(keep, log_ratio, torch.zeros_like(log_ratio)))
+        policy = torch.where(keep, -adv * kept, torch.zeros_like(kept))
     if ratio_norm is not None:
         policy = policy * norm_weight
     if isinstance(weight, Tensor):
