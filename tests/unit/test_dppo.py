@@ -235,6 +235,31 @@ def test_the_first_pass_has_kl_zero_nothing_masked_and_ratio_one(kind):
     assert torch.isfinite(v.grad).all() and v.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("kind,window,tail", [("dance", None, False), ("flow", range(1, 3), False),
+                                              ("cps", range(0, 2), True)])
+def test_the_rollouts_means_are_the_updates_bit_for_bit(kind, window, tail):
+    """Every step, an SDE window between ODE steps (MixGRPO) and a DPM-Solver++ tail after it (MixGRPO-Flash): the
+    means the rollout keeps are those its trained transitions recompute, so the first pass's KL is exactly 0. A
+    stand-in velocity: the rollout and the update call it alike (true CFG only composes it)."""
+    from grpo.sde import shifted_sigmas
+    from grpo.solvers import flash_sigmas
+
+    def velocity(x, t, cond):
+        return torch.tanh(1.3 * x) - x * t.view(-1, 1, 1)
+
+    sigmas = shifted_sigmas(6, 3.0)
+    sde = SDEParams(0.7, kind)
+    init = torch.randn(4, 8, 3, generator=_gen(20))
+    gens = [_gen(40 + k) for k in range(4)]
+    cut = flash_sigmas(sigmas, window[-1], 0.5, 3.0)[window[-1] + 1:] if tail else None
+    traj = sample(velocity, None, init, sigmas, sde, gens, window, cut, keep_means=True)
+    for j in window if window is not None else range(5):
+        out = transition(velocity, None, traj.latents, sigmas, j, sde)
+        assert torch.equal(out.log_prob, traj.log_probs[:, j]) and torch.equal(out.mean, traj.means[:, j])
+        _, kl = trust_region_keep(torch.ones(4), torch.ones(4), TrustRegion(out.mean, traj.means[:, j], out.std, 1.0))
+        assert (kl == 0).all()
+
+
 def test_trees_keep_each_edges_mean_for_the_update():
     """BranchGRPO's tree rollout records every row's SDE mean (its edge's): the update's one row per edge gives the
     same means bit for bit, so the first pass's KL is exactly 0 on every edge."""
