@@ -91,7 +91,9 @@ def trust_region_keep(ratio: Tensor, advantages: Tensor, tr: TrustRegion) -> tup
     unirl/algorithms/flowdppo.py:43-51, 92-111; verl-project/verl-omni@a1139ba
     verl_omni/trainer/diffusion/diffusion_algos.py:402-424; X-GenGroup/Flow-Factory PR #181 (79120955, read in the
     fork bwnzheng/Flow-Factory) src/flow_factory/trainers/dppo.py:46-48, 207-224. Paper arXiv 2606.11025, Eq. 14, 18.
-        kl = mean_D (mean - old_mean)² / (2·std²)      (the Gaussians' exact KL, averaged over the elements)
+        kl = mean_D (mean - old_mean)² / (2·std²)      (the Gaussians' exact KL, averaged over the elements: the
+                                                         paper's Eq. 14 sums them; all three sources average, and
+                                                         their thresholds are for the average)
         masked = kl >= kl_threshold and ((r > 1 and A > 0) or (r < 1 and A < 0))
     "Further away" is read off the ratio: with A > 0 the gradient raises r, so a step already at r > 1 would move
     further from the rollout policy; with A < 0 it lowers r, so r < 1 is further. A step outside the threshold that

@@ -163,12 +163,12 @@ class LossSums:
                 stats.extra[f"ratio_dev/t{j:02d}_max"] = worst[j].item()
                 stats.extra[f"ratio_dev/t{j:02d}_mean"] = (totals[0, j] / totals[1, j]).item()
         if self.per_point:  # every rank reduces it, also one that trained no point (the collective must match)
-            sums = (self.point_sums if self.point_sums is not None
-                    else torch.zeros(len(self.per_point) + 1, self.points)).to(device)
-            dist.all_reduce(sums)
-            for j in torch.nonzero(sums[-1] > 0).flatten().tolist():  # the points some rank trained
+            at = (self.point_sums if self.point_sums is not None
+                  else torch.zeros(len(self.per_point) + 1, self.points)).to(device)
+            dist.all_reduce(at)
+            for j in torch.nonzero(at[-1] > 0).flatten().tolist():  # the points some rank trained
                 for i, key in enumerate(self.per_point):
-                    stats.extra[f"{key}/t{j:02d}"] = (sums[i, j] / sums[-1, j]).item()
+                    stats.extra[f"{key}/t{j:02d}"] = (at[i, j] / at[-1, j]).item()
         return stats
 
 
