@@ -216,13 +216,14 @@ class Replay:
 
     # ------------------------------------------------------------------------------------------------ block
     @torch.no_grad()
-    def block(self, models: Models, step: int, fixed_targets: Callable[[list[Chunk]], None]
-              ) -> tuple[list[Chunk], dict[str, float]]:
+    def block(self, models: Models, step: int, fixed_targets: Callable[[list[Chunk]], None],
+              keep_means: bool = False) -> tuple[list[Chunk], dict[str, float]]:
         """The replay block of step `step`: once the buffer holds an update block's samples, that many entries drawn
         by a permutation keyed by (seed, step), split over the ranks and cut into micro-batches as an on-policy block
         is; each micro-batch's log-probs of transitions 0 .. L-1 recomputed by the current policy without gradients
         (the ratio's reference, and with the stored behaviour log-probs the sequence-level importance weight), and K
-        of them drawn to train; `fixed_targets` fills in the objective's (e.g. the reference at the trained points).
+        of them drawn to train; `fixed_targets` fills in the objective's (e.g. the reference at the trained points);
+        `keep_means`: that pass's SDE means too (Flow-DPPO's KL is to the policy the ratio is to).
         Returns this rank's chunks (none before the buffer holds a block) and the stats."""
         cfg, lay, r = self.cfg, models.layout, self.settings
         stats = {"replay/size": float(len(self.buffer)), "replay/blocks": 0.0}
@@ -238,12 +239,18 @@ class Replay:
                 b = self.buffer.take([positions[p] for p in mb])
                 latents = b.latents.to(device)
                 cond = models.sampler.conditioning(models.prompts, b.prompt_idx)
-                now = torch.stack([models.sampler.transition(model, cond, latents, j).log_prob
-                                   for j in range(r.truncate)], dim=1)
+                now, means = [], []
+                for j in range(r.truncate):
+                    out = models.sampler.transition(model, cond, latents, j)
+                    now.append(out.log_prob)
+                    if keep_means:
+                        means.append(out.mean)
+                now = torch.stack(now, dim=1)
                 w = sequence_weight(now, b.log_probs.to(device), r.truncate, r.weight_cap)
                 trained = replay_transitions(r.truncate, lay.trained_transitions, cfg.seed, step, mb[0])
                 # no image is decoded from a replayed trajectory: x0 stays a placeholder
-                traj = Trajectories(latents, now, x0=latents[:, -1])
+                traj = Trajectories(latents, now, x0=latents[:, -1],
+                                    means=torch.stack(means, dim=1) if keep_means else None)
                 chunks.append(Chunk(mb, b.prompt_idx, cond, traj, trained, weight=w,
                                     advantages=b.advantages.to(device)))
                 weights.append(w)

@@ -86,7 +86,8 @@ def sample(velocity: Velocity, cond: Conditioning, init_latents: torch.Tensor, s
         lies does not change any trajectory's noise (grpo/windows.py).
     tail: MixGRPO-Flash's schedule after the window (grpo.solvers.flash_sigmas(...)[L + 1:]): the steps after
         window[-1] are replaced by DPM-Solver++(2M) steps on it, and x0 is its end at sigma 0.
-    keep_means: also record each step's SDE mean (GRPO-Guard's RatioNorm needs the rollout's).
+    keep_means: also record each step's SDE mean (GRPO-Guard's RatioNorm and Flow-DPPO's KL need the rollout's); in a
+        tree each row's is the mean of its own edge's Gaussian.
     tree: BranchGRPO's tree rollout (grpo/tree.py): the batch is whole trees whose rows share their initial
         latents; the model runs once per node and step, only a node's first row draws noise, every row records the
         log-prob of its own edge.
@@ -112,7 +113,10 @@ def sample(velocity: Velocity, cond: Conditioning, init_latents: torch.Tensor, s
             x = out.prev_sample
             latents.append(x)
             log_probs.append(out.log_prob)
-        return Trajectories(torch.stack(latents, dim=1), torch.stack(log_probs, dim=1), x0, nfe=steps)
+            if keep_means:
+                means.append(out.mean)
+        return Trajectories(torch.stack(latents, dim=1), torch.stack(log_probs, dim=1), x0,
+                            torch.stack(means, dim=1) if keep_means else None, nfe=steps)
     for i in range(grid_steps):
         v = velocity(x, timestep(sigmas, i, b).to(device), cond)
         if i == steps - 1 or (tail is not None and i == grid_steps - 1):
@@ -276,7 +280,7 @@ class FluxSampler:
         tail or a tree)."""
         if eta is None and self.tree is not None:
             return sample(self.velocity(model), cond, init_latents, self.sigmas, self.sde, noise_generators,
-                          tree=self.tree)
+                          keep_means=keep_means, tree=self.tree)
         sde = self.sde if eta is None else SDEParams(eta, self.sde.kind)
         if window is None and eta is None and self.sampling.tail == "dpm2":
             # nft/awm's ODE rollouts (eta 0): one Euler step from sigma 1, where DPM-Solver++'s lambda is -inf, then

@@ -99,11 +99,14 @@ class LossSums:
     """
 
     points: int = 0  # transitions a trajectory has (sampling.num_steps): the length of the per-timestep stats
+    per_point: tuple[str, ...] = ()  # scalar stats also logged per point j, "<name>/tJJ" (Objective.stats_per_point)
     sums: dict[str, torch.Tensor] = field(default_factory=dict)  # "loss" and each scalar stat of the objective
     passes: int = 0
     nonfinite: torch.Tensor | None = None  # backward passes with a non-finite loss
     # grpo only, the on-policy block's |ratio - 1| per transition j: its max, its sum and the rows it was taken over
     ratio_dev: torch.Tensor | None = None  # [3, points]
+    # the per_point stats' sums at each point j, and in the last row the passes there: [len(per_point) + 1, points]
+    point_sums: torch.Tensor | None = None
 
     def add(self, loss: torch.Tensor, stats: dict[str, torch.Tensor], on_policy: bool = False,
             point: int = 0) -> None:
@@ -124,6 +127,13 @@ class LossSums:
                     self.ratio_dev[2, point] += dev.numel()
             else:
                 values[key] = value
+        if self.per_point:
+            if self.point_sums is None:
+                self.point_sums = torch.zeros(len(self.per_point) + 1, max(self.points, point + 1),
+                                              dtype=torch.float32, device=loss.device)
+            for i, key in enumerate(self.per_point):
+                self.point_sums[i, point] += stats[key].detach().float()
+            self.point_sums[-1, point] += 1
         for key, value in values.items():
             value = value.detach().float()
             self.sums[key] = self.sums[key] + value if key in self.sums else value
@@ -152,6 +162,13 @@ class LossSums:
             for j in torch.nonzero(totals[1] > 0).flatten().tolist():
                 stats.extra[f"ratio_dev/t{j:02d}_max"] = worst[j].item()
                 stats.extra[f"ratio_dev/t{j:02d}_mean"] = (totals[0, j] / totals[1, j]).item()
+        if self.per_point:  # every rank reduces it, also one that trained no point (the collective must match)
+            at = (self.point_sums if self.point_sums is not None
+                  else torch.zeros(len(self.per_point) + 1, self.points)).to(device)
+            dist.all_reduce(at)
+            for j in torch.nonzero(at[-1] > 0).flatten().tolist():  # the points some rank trained
+                for i, key in enumerate(self.per_point):
+                    stats.extra[f"{key}/t{j:02d}"] = (at[i, j] / at[-1, j]).item()
         return stats
 
 

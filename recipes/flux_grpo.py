@@ -28,6 +28,8 @@ Features and the settings that control them (every key with its help: python -m 
     fast GRPO strategies .......... sampling.window (MixGRPO, Flow-GRPO-Fast; placement group: Flash-GRPO, with
                                     grpo.timestep_rescale), sampling.tail: dpm2 (MixGRPO-Flash), grpo.ratio_norm
                                     (GRPO-Guard), sampling.branch (BranchGRPO's trees, grpo/tree.py)
+    trust region .................. grpo.trust_region.kl_threshold (Flow-DPPO's KL mask in place of the ratio clip,
+                                    grpo/loss.py)
     candidate selection ........... sampling.candidates.{pool, keep_top, keep_bottom, preview_steps} (Sol-RL,
                                     grpo/candidates.py), for every objective
     trajectory replay ............. grpo.replay.{size, per_step, truncate, weight_cap} (OP-GRPO, grpo/replay.py:
@@ -426,14 +428,14 @@ class FluxGRPORecipe:
     def update(self, step: int, chunks: list[Chunk], advantages: torch.Tensor) -> UpdateStats:
         """Accumulate the objective's loss over the trained points (transitions or noise levels) of each update
         block, then step; then the objective's extra blocks (grpo with replay: its replay block), if any."""
-        sums = LossSums(points=self.cfg.sampling.num_steps)
+        sums = LossSums(points=self.cfg.sampling.num_steps, per_point=self.objective.stats_per_point())
         skipped_before = self.engine.skipped_steps
         adv = [advantages[torch.tensor(c.ids, device=advantages.device)] for c in chunks]
         self._accumulate(step, chunks, adv, sums, on_policy=self.layout.micro_batches_per_update)
         # drawn with the weights the on-policy blocks left, so their first pass stays exactly on-policy; summed
         # apart, so that loss, ratio and clip statistics stay the on-policy blocks' own
         extra = self.objective.extra_blocks(self.models, step)
-        extra_sums = LossSums(points=self.cfg.sampling.num_steps)
+        extra_sums = LossSums(points=self.cfg.sampling.num_steps, per_point=self.objective.stats_per_point())
         if extra.chunks:  # every rank has extra blocks or none
             self._accumulate(step, extra.chunks, [c.advantages for c in extra.chunks], extra_sums,
                              on_policy=len(extra.chunks))

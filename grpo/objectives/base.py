@@ -127,6 +127,11 @@ class Objective:
         run (the planner, the benchmarks). Default: none."""
         return 0.0
 
+    def stats_per_point(self) -> tuple[str, ...]:
+        """The loss stats also logged per trained point j, as "<name>/tJJ" (grpo with Flow-DPPO: its masked share).
+        Default: none."""
+        return ()
+
     def health_line(self, step: int, stats: dict[str, float]) -> str:
         """The step's health line (grpo.health.health_line), with the warnings this objective's stats call for."""
         return health.health_line(step, stats)

@@ -1,11 +1,12 @@
 """GRPO (DanceGRPO, Flow-GRPO and their fast variants): the PPO-clipped ratio of the rollout's SDE transitions,
 plus the exact Gaussian KL to the initial policy.
 
-Rollout: SDE steps (eta > 0) recording every latent and log-prob (and each step's mean for GRPO-Guard). Fixed
-targets: the reference policy's SDE means at the trained transitions (kl_coef > 0). Loss at transition j: the
-log-prob recomputed by the policy on the same micro-batch (so the first pass's ratio is exactly 1), clipped
-(grpo/loss.py). Which transitions are trained is the rollout plan's (grpo/rollout_plan.py): a seeded share of them,
-an SDE window, or every edge of a tree. With grpo.replay (OP-GRPO, grpo/replay.py) it owns a replay buffer: one
+Rollout: SDE steps (eta > 0) recording every latent and log-prob (and each step's mean for GRPO-Guard and
+Flow-DPPO). Fixed targets: the reference policy's SDE means at the trained transitions (kl_coef > 0). Loss at
+transition j: the log-prob recomputed by the policy on the same micro-batch (so the first pass's ratio is exactly 1),
+clipped, or with grpo.trust_region masked by Flow-DPPO's KL to the rollout policy instead (grpo/loss.py). Which
+transitions are trained is the rollout plan's (grpo/rollout_plan.py): a seeded share of them, an SDE window, or every
+edge of a tree. With grpo.replay (OP-GRPO, grpo/replay.py) it owns a replay buffer: one
 extra update block of past trajectories a step, what each step leaves in the buffer, its checkpoint state and cost.
 """
 
@@ -19,7 +20,7 @@ import torch
 
 from grpo import health, replay
 from grpo.errors import ConfigError
-from grpo.loss import RatioNorm, grpo_loss
+from grpo.loss import RatioNorm, TrustRegion, grpo_loss
 from grpo.objectives.base import ExtraBlocks, Models, Objective, PlanTerms
 from grpo.replay import Replay, ReplaySettings
 from grpo.schema import setting
@@ -30,6 +31,14 @@ if TYPE_CHECKING:
     # RecipeConfig (grpo/config.py) is these settings plus the objectives' sections; it sits above the registry
     from grpo.settings import RecipeSettings as RecipeConfig
     from grpo.step import Chunk
+
+
+@dataclass(kw_only=True)
+class TrustRegionSettings:
+    kl_threshold: float = setting(help="a transition's KL to the rollout policy (the SDE Gaussians' exact KL, "
+                                       "averaged over the latent's elements) at or above which its policy term is "
+                                       "masked when the advantage would push it further; UniRL and verl-omni use "
+                                       "1e-5, Flow-Factory 1e-6")
 
 
 @dataclass(kw_only=True)
@@ -47,6 +56,11 @@ class GRPOSettings:
                                                        "positive-advantage trajectories kept in a buffer and trained "
                                                        "again in one extra update block, weighted by their sequence-"
                                                        "level importance ratio, early transitions only; null = off")
+    trust_region: TrustRegionSettings | None = setting(None, help="Flow-DPPO's KL trust region in place of the "
+                                                                  "ratio clip: -A·ratio unclipped, masked at a "
+                                                                  "transition whose KL to the rollout policy reached "
+                                                                  "kl_threshold and that the advantage pushes "
+                                                                  "further; null = off (the clip)")
 
 
 def trained_transitions(num_steps: int, timestep_fraction: float) -> int:
@@ -92,6 +106,12 @@ class GRPO(Objective):
         if g.timestep_rescale and (g.ratio_norm or s.branch is not None):
             raise ConfigError("grpo.timestep_rescale: true reweights the timesteps as grpo.ratio_norm and a tree's "
                               "edges do in their own way; use one of them")
+        if g.trust_region is not None and g.ratio_norm:
+            raise ConfigError("grpo.trust_region: Flow-DPPO's KL mask replaces the ratio clip that grpo.ratio_norm "
+                              "normalises; use one of them")
+        if g.trust_region is not None and not g.trust_region.kl_threshold > 0:
+            raise ConfigError(f"grpo.trust_region.kl_threshold: {g.trust_region.kl_threshold} must be > 0 (at 0 "
+                              "every step that moves further is masked); the sources use 1e-5 or 1e-6")
         if g.ratio_norm and s.branch is not None:
             raise ConfigError("sampling.branch: needs Gaussian SDE steps without grpo.ratio_norm; set ratio_norm: "
                               "false or branch: null")
@@ -104,7 +124,11 @@ class GRPO(Objective):
         return trained_transitions(num_steps, self.settings.timestep_fraction)
 
     def rollout_records(self) -> dict[str, bool]:
-        return {"keep_means": self.settings.ratio_norm}  # GRPO-Guard's RatioNorm compares the rollout's SDE means
+        # GRPO-Guard's RatioNorm and Flow-DPPO's KL compare the rollout's SDE means with the policy's
+        return {"keep_means": self.settings.ratio_norm or self.settings.trust_region is not None}
+
+    def stats_per_point(self) -> tuple[str, ...]:
+        return ("dppo/masked_frac",) if self.settings.trust_region is not None else ()
 
     def health_line(self, step: int, stats: dict[str, float]) -> str:
         return health.health_line(step, stats, self.settings.clip_range)  # warns when the first-pass ratio drifts
@@ -127,7 +151,8 @@ class GRPO(Objective):
         no-grad pass just before it, so its first pass is exactly 1 too. Its stats are "replay/*"."""
         if self.replay is None:
             return ExtraBlocks()
-        chunks, stats = self.replay.block(models, step, lambda c: self.fixed_targets(models, c, step))
+        chunks, stats = self.replay.block(models, step, lambda c: self.fixed_targets(models, c, step),
+                                          **self.rollout_records())
         return ExtraBlocks("replay", chunks, stats)
 
     def remember(self, models: Models, step: int, chunks: list[Chunk], advantages: torch.Tensor) -> None:
@@ -162,12 +187,12 @@ class GRPO(Objective):
             rescale = self._timestep_weights(sampler)[j] if g.timestep_rescale else 1.0
             return grpo_loss(out.log_prob, c.traj.log_probs[:, j], adv, clip_range=g.clip_range, kl=kl,
                              kl_coef=g.kl_coef, ratio_norm=self._ratio_norm(sampler, out, c, j),
-                             weight=c.weight * rescale)
+                             trust_region=self._trust_region(out, c, slice(None), j), weight=c.weight * rescale)
         # One row per edge into depth j + 1, with that node's advantage; summed over the edges and divided by the
         # samples, so every edge of the tree weighs the same (the source's loss / (GA * edges per tree)).
         edges = tree.heads(len(c.ids), j + 1).to(adv.device)
         loss, st = grpo_loss(out.log_prob, c.traj.log_probs[edges, j], adv[edges, j + 1], clip_range=g.clip_range,
-                             kl=kl, kl_coef=g.kl_coef)
+                             kl=kl, kl_coef=g.kl_coef, trust_region=self._trust_region(out, c, edges, j))
         return loss * (len(edges) / len(c.ids)), st
 
     def _timestep_weights(self, sampler) -> dict[int, float]:
@@ -196,3 +221,11 @@ class GRPO(Objective):
             return None
         sqrt_dt = float(sampler.sigmas[j] - sampler.sigmas[j + 1]) ** 0.5
         return RatioNorm(out.mean, c.traj.means[:, j], out.std / sqrt_dt, sqrt_dt)
+
+    def _trust_region(self, out, c: Chunk, rows, j: int) -> TrustRegion | None:
+        """Flow-DPPO (grpo.trust_region): transition j's SDE mean now and at rollout, of the trained `rows` (a tree's
+        edges into depth j + 1, else every row), and its std, which both policies share."""
+        tr = self.settings.trust_region
+        if tr is None:
+            return None
+        return TrustRegion(out.mean, c.traj.means[rows, j], out.std, tr.kl_threshold)
