@@ -42,6 +42,7 @@ def test_the_first_pass_ratio_stays_one_and_the_masked_share_is_logged_per_trans
     assert any(r["dppo/masked_frac"] > 0 for r in rows)
 
 
+@pytest.mark.slow  # CI time: the replay block's means come from the same transition code as the on-policy block's
 def test_the_replay_block_is_exactly_on_policy_to_its_own_means(tmp):
     first, second = _run(tmp, "replay", OPGRPO, 2, [*REPLAY_EXTRA, TRUST])["rows"]
     assert first["ratio_max_dev"] == second["ratio_max_dev"] == second["replay/ratio_max_dev"] == 0.0

@@ -3,8 +3,9 @@ run on 1 and 2 processes, an exact resume, and exports that load into diffusers'
 
 Short runs of the real recipe through torchrun (8 images a step, 4 steps a trajectory):
 
-    two     grpo + LoRA, 2 steps, 2 processes, a checkpoint every step
-    nft     DiffusionNFT + LoRA (the lagging policy), 2 steps, 2 processes
+    two     grpo + LoRA, 2 steps, 2 processes, a checkpoint every step (-m slow: the cfg run below takes the same
+            family path in the default tier, its conditional branch being this run's call)
+    nft     DiffusionNFT + LoRA (the lagging policy), 2 steps, 2 processes (-m slow)
     cfg     grpo + LoRA with true CFG (sampling.true_cfg), 2 steps, 2 processes, a checkpoint every step, a held-out
             eval
     awm_cfg AWM + LoRA with true CFG training the guided velocity, the same
@@ -62,6 +63,7 @@ def chain(run, runs):
     return two_one_resumed(run, GRPO, GRPO_ARGS, two=runs["two"])
 
 
+@pytest.mark.slow
 def test_the_first_pass_ratio_is_exactly_one(runs):
     assert [r["ratio_max_dev"] for r in runs["two"]["rows"]] == [0.0, 0.0]
 
@@ -155,6 +157,7 @@ def _images(pipe, guidance_scale: float = 1.0) -> torch.Tensor:
                     generator=[torch.Generator().manual_seed(i) for i in range(2)]).images.float()
 
 
+@pytest.mark.slow
 def test_the_lora_loads_into_flux2_klein_and_changes_the_image(runs):
     from diffusers import Flux2KleinPipeline
 
@@ -174,6 +177,7 @@ def test_the_full_export_loads_as_a_flux2_transformer(full):
     assert (tuned - base).abs().max() > 1e-4
 
 
+@pytest.mark.slow
 def test_nft_trains_flux2_with_its_lagging_policy(runs):
     rows = runs["nft"]["rows"]
     assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)

@@ -107,8 +107,9 @@ PRESETS = {
     "grpo_candidates": ("recipes/configs/experimental/tiny_grpo_candidates_lora.yaml", [], 6 + 6 + 5 * 3),
     "nft_candidates": ("recipes/configs/tiny/nft_candidates_lora.yaml", ["nft.group_noise=true"], 6 + 6 + 2 * (3 + 1)),
 }
-# The same code paths as another preset's: with -m slow (CI time).
-SLOW_PRESETS = ("flash_frozen", "nft_candidates")
+# The same code paths as another preset's: with -m slow (CI time). awm_no_anchor is awm's step less the anchor's
+# forward.
+SLOW_PRESETS = ("flash_frozen", "nft_candidates", "awm_no_anchor")
 
 
 # MixGRPO-Flash* is MixGRPO-Flash with its window frozen, nft_candidates grpo_candidates' selection on nft's step.

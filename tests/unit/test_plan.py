@@ -157,7 +157,7 @@ def test_true_cfg_doubles_the_updates_activations_when_it_trains_the_guided_velo
     backward, so the update's activations are exactly twice one call's; the backward frees one graph before the
     other, so its working set is unchanged. Without grad (rollout, reference) the calls run in sequence: one call's
     peak plus the conditional output [r, S, C] in float32."""
-    off, on = (P.plan(load_config(TINY_FLUX2, o), 2) for o in ([], [CFG]))
+    off, on = (P.plan(load_config(TINY_FLUX2, ["sampling.eval_cfg_scale=1.0", *o]), 2) for o in ([], [CFG]))
     assert P.update_calls(load_config(TINY_FLUX2, [CFG])) == 2
     assert on.phases["update"]["activations"] == 2 * off.phases["update"]["activations"] > 0
     assert on.phases["update"]["backward working set"] == off.phases["update"]["backward working set"]
@@ -174,7 +174,7 @@ def test_true_cfg_on_the_forward_process_objectives_counts_what_the_update_train
     """nft and awm with train: guided keep both calls' activations (x2); with train: conditional the update is one
     call, as without CFG (its rollouts still guide: the kept conditional output is there either way)."""
     preset = str(ROOT / f"recipes/configs/tiny_flux2/{objective}_lora.yaml")
-    off = P.plan(load_config(preset), 2)
+    off = P.plan(load_config(preset, ["sampling.true_cfg=null", "sampling.eval_cfg_scale=1.0"]), 2)
     guided, conditional = (P.plan(load_config(preset, [f"sampling.true_cfg={{scale: 4.0, train: {t}}}"]), 2)
                            for t in ("guided", "conditional"))
     assert guided.phases["update"]["activations"] == 2 * off.phases["update"]["activations"] > 0
@@ -186,6 +186,7 @@ def test_true_cfg_on_the_forward_process_objectives_counts_what_the_update_train
 def test_evals_with_cfg_alone_count_the_kept_conditional_output():
     """sampling.eval_cfg_scale above 1 without true CFG in the rollouts (Flow-DPPO's klein-base setting): the evals
     guide, so a no-grad phase holds the kept conditional output; the update is one call."""
-    off, evals = (P.plan(load_config(TINY_FLUX2, o), 2) for o in ([], ["sampling.eval_cfg_scale=4.0"]))
+    off, evals = (P.plan(load_config(TINY_FLUX2, [o]), 2) for o in ("sampling.eval_cfg_scale=1.0",
+                                                                     "sampling.eval_cfg_scale=4.0"))
     assert evals.phases["rollout"]["CFG conditional output"] > 0
     assert evals.phases["update"]["activations"] == off.phases["update"]["activations"]

@@ -111,6 +111,9 @@ def deliberate(preset: str) -> dict[str, object]:
     if Path(OLD.get(preset, preset)).parent.name in ("flux2_klein", "flux2_dev"):
         # FLUX.2's own sampler, nothing of FLUX.1's: the pipelines' dynamic shift (compute_empirical_mu), not 3.0
         changes["sampling.shift"] = "dynamic"
+    if Path(OLD.get(preset, preset)).parent.name == "tiny_flux2":
+        # the held-out evals at the world's inference setting, true CFG 4 (Flux2KleinPipeline on a non-distilled klein)
+        changes["sampling.eval_cfg_scale"] = 4.0
     return changes
 
 

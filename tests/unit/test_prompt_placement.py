@@ -79,7 +79,7 @@ def test_tools_prompts_logs_the_placement_and_keeps_the_cache_name(tmp_path, cap
     argv = [str(ROOT / "recipes/configs/tiny_flux2/grpo_lora.yaml"), f"model.path={TINY_FLUX2}",
             f"data.train_prompts={prompt_file}",
             "data.eval_prompts=null", f"data.cache_dir={cache}", "data.text_encoder_device_map=auto",
-            "data.text_encoder_max_memory.cpu=300KB"]
+            "data.text_encoder_max_memory.cpu=300KB", "sampling.eval_cfg_scale=1.0"]  # no negative prompt to encode
     assert tool.main(argv) == 0
     written = Path(capsys.readouterr().out.strip())
     assert written == cache_file(cache, str(TINY_FLUX2), PROMPTS, 32, "p")  # the key of the one-device encoding
