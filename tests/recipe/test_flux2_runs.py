@@ -58,9 +58,6 @@ def full(run):
     return run("full", FULL, 2, ["max_steps=1", "checkpoint.every=1", "optim.lr=1e-3"])
 
 
-@pytest.fixture(scope="module")
-def chain(run, runs):
-    return two_one_resumed(run, GRPO, GRPO_ARGS, two=runs["two"])
 
 
 @pytest.mark.slow
@@ -103,25 +100,33 @@ def test_a_lora_trained_with_true_cfg_loads_into_flux2_klein_and_changes_the_gui
     assert (_images(pipe, guidance_scale=4.0) - base).abs().max() > 1e-3
 
 
-@pytest.fixture(scope="module", params=list(CFG))
-def cfg_chain(request, run, cfg_runs):
-    config, extra = CFG[request.param]
-    return two_one_resumed(functools.partial(_prefixed, run, request.param), config, extra,
-                           two=cfg_runs[request.param])
+# The 1-vs-2 and resume chains: grpo without CFG, and each true-CFG run. The family-agnostic recipe's chain is in the
+# default tier on FLUX.1 (tests/recipe/test_recipe_distributed.py, tests/recipe/test_checkpoint_resume.py); these run
+# with -m slow.
+CHAINS = {"grpo": (GRPO, GRPO_ARGS), **{f"{name}_cfg": settings for name, settings in CFG.items()}}
+
+
+@pytest.fixture(scope="module", params=list(CHAINS))
+def chain(request, run):
+    name = request.param
+    two = (request.getfixturevalue("runs")["two"] if name == "grpo" else
+           request.getfixturevalue("cfg_runs")[name.removesuffix("_cfg")])
+    config, extra = CHAINS[name]
+    return two_one_resumed(functools.partial(_prefixed, run, name), config, extra, two=two)
 
 
 def _prefixed(run, prefix: str, name: str, config: str, nproc: int, extra: list[str]) -> dict:
-    return run(f"{prefix}_cfg_{name}", config, nproc, extra)
+    return run(f"{prefix}_{name}", config, nproc, extra)
 
 
 @pytest.mark.slow
-def test_with_true_cfg_one_and_two_processes_train_the_same(cfg_chain):
-    assert_two_steps_agree(cfg_chain["one"], cfg_chain["two"])
+def test_one_and_two_processes_train_the_same(chain):
+    assert_two_steps_agree(chain["one"], chain["two"])
 
 
 @pytest.mark.slow
-def test_with_true_cfg_a_resumed_run_ends_where_the_uninterrupted_one_does(cfg_chain):
-    assert_resumed_step_exact(cfg_chain["two"], cfg_chain["resumed"])
+def test_a_resumed_run_ends_where_the_uninterrupted_one_does(chain):
+    assert_resumed_step_exact(chain["two"], chain["resumed"])
 
 
 @pytest.mark.slow
@@ -136,18 +141,6 @@ def test_the_full_fine_tune_with_true_cfg_keeps_the_first_pass_ratio(run):
 @pytest.mark.slow
 def test_the_full_fine_tune_keeps_the_first_pass_ratio(full):
     assert [r["ratio_max_dev"] for r in full["rows"]] == [0.0]
-
-
-# The 1-vs-2 and resume chain of the family-agnostic recipe is in the default tier on FLUX.1
-# (tests/recipe/test_recipe_distributed.py, tests/recipe/test_checkpoint_resume.py); on FLUX.2 it runs with -m slow.
-@pytest.mark.slow
-def test_one_and_two_processes_train_the_same(chain):
-    assert_two_steps_agree(chain["one"], chain["two"])
-
-
-@pytest.mark.slow
-def test_a_resumed_run_ends_where_the_uninterrupted_one_does(chain):
-    assert_resumed_step_exact(chain["two"], chain["resumed"])
 
 
 def _images(pipe, guidance_scale: float = 1.0) -> torch.Tensor:
