@@ -81,9 +81,7 @@ class RolloutPlan:
         or by default as many as the objective expects (the planner, the benchmarks). A tree pays once per node,
         shared by the images under it."""
         # True CFG: a guided velocity is its two branches, two calls on the same rows
-        cfg = self.cfg.sampling.true_cfg
-        sampled = 1 if cfg is None else 2
-        trained = 2 if cfg is not None and cfg.trains_guided else 1
+        sampled, trained = self.cfg.sampling.sampled_calls, self.cfg.sampling.trained_calls
         per_point = self.objective.forwards_per_point()
         if self.tree is not None:  # grpo's: its rollout and its update call the same (guided) velocity
             on_policy = trained * self.tree.forwards_per_image(self.tree.trained(), per_point)

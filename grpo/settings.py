@@ -196,6 +196,17 @@ class SamplingConfig:
         return "" if self.eval_cfg_scale is not None and self.eval_cfg_scale > 1 else None
 
     @property
+    def sampled_calls(self) -> int:
+        """Transformer calls per velocity of the rollouts and previews: true CFG's two branches, or one."""
+        return 1 if self.true_cfg is None else 2
+
+    @property
+    def trained_calls(self) -> int:
+        """Transformer calls per velocity the update trains (and the reference and lagging velocities it compares
+        with): two when true CFG trains the guided velocity (grpo always; nft/awm with train: guided), else one."""
+        return 2 if self.true_cfg is not None and self.true_cfg.trains_guided else 1
+
+    @property
     def eval_true_cfg(self) -> TrueCFGConfig | None:
         """The held-out evals' true CFG (eval_cfg_scale): the rollouts', none, or that scale."""
         if self.eval_cfg_scale is None:

@@ -426,8 +426,7 @@ def _reward_bytes(rewards: dict) -> tuple[int, int, list[str]]:
 def update_calls(cfg: RecipeConfig) -> int:
     """Transformer calls whose graphs the update keeps alive per velocity: 2 when it trains true CFG's guided
     velocity (grpo always: its log-probs are the guided transition's; nft and awm with train: guided), else 1."""
-    true_cfg = cfg.sampling.true_cfg
-    return 2 if true_cfg is not None and true_cfg.trains_guided else 1
+    return cfg.sampling.trained_calls
 
 
 def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_config: dict | None = None,
@@ -513,7 +512,7 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
     gathered = n_params * b if cfg.deepspeed.gather_for_rollout else in_flight
     # True CFG without grad (the rollouts', or the evals' alone: eval_cfg_scale): the conditional velocity [r, S, C] in
     # float32 waits while the negative call runs.
-    guided_no_grad = cfg.sampling.true_cfg is not None or cfg.sampling.eval_true_cfg is not None
+    guided_no_grad = cfg.sampling.negative_prompt is not None  # some phase guides: the negative prompt is encoded
     kept_cond = r * image_tokens * transformer_config["in_channels"] * 4 if guided_no_grad else 0
     cfg_item = {"CFG conditional output": kept_cond} if kept_cond else {}
     opt_step = min(zero["sub_group_size"], math.ceil(n_train / devices)) * 4 if b < 4 else 0

@@ -6,16 +6,13 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from grpo.config import load_config
-from grpo.device import free_port
 from grpo.errors import ConfigError
 from grpo.loss import TrustRegion, grpo_loss, trust_region_keep
 from grpo.models.flux1 import FLUX1
 from grpo.rollout import SDEParams, sample, transition
 from grpo.sde import sde_step
-from grpo.step import LossSums
 from tests import ROOT, TINY
 
 PRESET = ROOT / "recipes/configs/tiny/grpo_lora.yaml"
@@ -289,31 +286,6 @@ def test_trees_keep_each_edges_mean_for_the_update():
         keep, kl = trust_region_keep(torch.ones(len(edges)), torch.ones(len(edges)),
                                      TrustRegion(out.mean, traj.means[edges, j], out.std, 1e-30))
         assert keep.all() and (kl == 0).all()
-
-
-# ------------------------------------------------------------------------------------ the masked share per j
-
-
-@pytest.fixture()
-def one_process_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def test_the_masked_share_is_logged_per_trained_transition(one_process_group):
-    sums = LossSums(points=6, per_point=("dppo/masked_frac",))
-    for point, share in ((1, 0.0), (4, 0.5), (4, 0.25), (1, 0.0)):
-        sums.add(torch.tensor(0.0), {"ratio": torch.ones(2), "dppo/masked_frac": torch.tensor(share)}, point=point)
-    stats = sums.reduce(torch.device("cpu")).metrics()
-    assert stats["dppo/masked_frac"] == pytest.approx(0.75 / 4)
-    per = {k: v for k, v in stats.items() if k.startswith("dppo/masked_frac/")}
-    assert per == {"dppo/masked_frac/t01": 0.0, "dppo/masked_frac/t04": 0.375}
-
-
-def test_a_rank_without_passes_still_reduces_the_per_transition_share(one_process_group):
-    stats = LossSums(points=4, per_point=("dppo/masked_frac",)).reduce(torch.device("cpu"))
-    assert not any(k.startswith("dppo/") for k in stats.metrics())
 
 
 # ------------------------------------------------------------------------------------------------ settings

@@ -71,3 +71,19 @@ def test_poison_turns_a_nonfinite_loss_into_a_nonfinite_gradient(bad):
     loss = poison_nonfinite((w * bad).sum() if math.isnan(bad) else (w * 0 + bad).sum())
     (g,) = torch.autograd.grad(loss, w)
     assert math.isnan(loss.item()) and torch.isnan(g).all()
+
+
+# Flow-DPPO's masked share (grpo.trust_region), logged per trained transition: Objective.stats_per_point
+def test_the_masked_share_is_logged_per_trained_transition(one_process_group):
+    sums = LossSums(points=6, per_point=("dppo/masked_frac",))
+    for point, share in ((1, 0.0), (4, 0.5), (4, 0.25), (1, 0.0)):
+        sums.add(torch.tensor(0.0), {"ratio": torch.ones(2), "dppo/masked_frac": torch.tensor(share)}, point=point)
+    stats = sums.reduce(torch.device("cpu")).metrics()
+    assert stats["dppo/masked_frac"] == pytest.approx(0.75 / 4)
+    per = {k: v for k, v in stats.items() if k.startswith("dppo/masked_frac/")}
+    assert per == {"dppo/masked_frac/t01": 0.0, "dppo/masked_frac/t04": 0.375}
+
+
+def test_a_rank_without_passes_still_reduces_the_per_transition_share(one_process_group):
+    stats = LossSums(points=4, per_point=("dppo/masked_frac",)).reduce(torch.device("cpu"))
+    assert not any(k.startswith("dppo/") for k in stats.metrics())
