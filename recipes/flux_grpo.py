@@ -96,6 +96,7 @@ from grpo.models.blocks import compile_blocks, compile_seconds, enable_checkpoin
 from grpo.inputs import check_inputs
 from grpo.loading import transformer_loader
 from grpo.loss import poison_nonfinite
+from grpo.manifest import RunManifest
 from grpo.metrics import MetricsLogger, progress, save_grid
 from grpo.profiling import PhaseClock, StepProfiler
 from grpo.prompts import ensure_cache, ensure_negative, ensure_references, load_cache, read_prompt_set
@@ -183,6 +184,10 @@ class FluxGRPORecipe:
             self.out.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.out / "config.yaml")
         self._setup_run_state()  # EMA, checkpoint resume, metrics
+        # output_dir/manifest.json: this start's command, code, packages, hosts; later every checkpoint's and
+        # export's hashes (grpo/manifest.py); a resumed run appends its segment
+        self.manifest = RunManifest.begin(self.out, self.rank, self.world, self.device, self.resume_from,
+                                          self.state.step)
         self.profiler = StepProfiler.from_config(cfg, self.out, self.rank, self.device)  # profile.steps; no-op if []
 
     def _setup_data(self) -> None:
@@ -513,6 +518,8 @@ class FluxGRPORecipe:
         path = self.checkpoints.save(self.engine, state, self._stateful())
         if self.rank == 0:
             log.info("checkpoint %s", path)
+        with agreed_outside_failure(self.device), writes_under(self.out, "the manifest"):
+            self.manifest.update()
 
     def save_final(self) -> None:
         """Collective: every rank takes part in gathering the shards; rank 0 writes."""
@@ -529,6 +536,8 @@ class FluxGRPORecipe:
         dist.barrier()
         with agreed_outside_failure(self.device), writes_under(self.out, "the reward curve"):
             self.metrics.close()
+        with agreed_outside_failure(self.device), writes_under(self.out, "the manifest"):
+            self.manifest.update(finished=True)
 
 
 def main(argv: list[str] | None = None, recipe_class: type | None = None) -> int:
