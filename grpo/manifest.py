@@ -42,8 +42,8 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 FORMAT = 1
 EXPORTS = ("final", "best")
-# distribution names; torch_npu only when installed
-PACKAGES = ("torch", "torch_npu", "deepspeed", "diffusers", "transformers", "peft", "open_clip_torch")
+# distribution names besides torch; torch_npu only when installed
+PACKAGES = ("torch_npu", "deepspeed", "diffusers", "transformers", "peft", "open_clip_torch")
 _CODE = Path(__file__).resolve().parents[1]  # the folder holding grpo/, recipes/, tools/
 
 
@@ -52,7 +52,7 @@ def _now() -> str:
 
 
 def packages() -> dict[str, str]:
-    found = {"python": platform.python_version()}
+    found = {"python": platform.python_version(), "torch": torch.__version__}  # with its build, e.g. +cu130
     for name in PACKAGES:
         try:
             found[name] = metadata.version(name)
