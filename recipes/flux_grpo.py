@@ -310,9 +310,14 @@ class FluxGRPORecipe:
             if update.skipped_updates < self.layout.updates_per_step + update.extra_blocks:
                 self._update_averages()
             self.objective.remember(self.models, step, chunks, advantages)
+        n = self.layout.samples_per_step
         timings = {"time/rollout_s": clock.seconds["rollout"], "time/reward_s": clock.seconds["reward"],
                    "time/update_s": clock.seconds["train"], "step_time_s": clock.total,
-                   "samples_per_s": self.layout.samples_per_step / clock.total}
+                   "samples_per_s": n / clock.total,
+                   # each phase's throughput, over every rank (the rollout with its preview and decode, the update
+                   # with its reference forwards): where a step's time goes, per image
+                   "time/rollout_images_per_s": n / clock.seconds["rollout"],
+                   "time/update_images_per_s": n / clock.seconds["train"]}
         if self.cfg.model.compile:  # compile time is part of the phases' times above; reported apart
             timings["time/compile_s"] = compile_seconds() - compiling
         # Transformer compute per image in forward-equivalents (a backward counts 2): what strategies trade.

@@ -16,7 +16,7 @@ from tools.launch import free_port
 FAST = ["batch.prompts_per_step=2", "sampling.group_size=4", "batch.micro_batch_size=4", "sampling.num_steps=4",
         "max_steps=2", "logging.sample_every=1", f"model.path={TINY}"]
 FIELDS = {"step", "reward_mean", "reward_std", "loss", "kl", "ratio_mean", "ratio_max_dev", "clip_frac", "grad_norm",
-          "lr", "step_time_s", "samples_per_s"}
+          "lr", "step_time_s", "samples_per_s", "time/rollout_images_per_s", "time/update_images_per_s"}
 
 
 def _sha(path: Path) -> str:
