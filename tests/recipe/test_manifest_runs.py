@@ -2,28 +2,30 @@
 then checkpoint.resume=auto to a 3rd step: one segment per start, the hashes equal the files on disk (the
 checkpoints, the pruned one recorded as removed, the final LoRA), the config hash the config.yaml each start wrote.
 With -m slow (two launches, ~4 min on 2 shared cores); the default tier checks a fresh run's manifest in
-tests/recipe/test_recipe_cli.py."""
+tests/recipe/test_recipe_cli.py. Also the code's commit, as git reads it (null outside a git checkout)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from grpo import checkpoint as ckpt
-from grpo.manifest import MANIFEST
+from grpo.manifest import MANIFEST, code_version
+from tests import ROOT
 from tests.recipe.launch import run_recipe, tiny_run
 
 CONFIG = "recipes/configs/tiny/grpo_lora.yaml"
-pytestmark = pytest.mark.slow
 
 
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@pytest.mark.slow
 def test_manifest_of_a_run_and_its_resume(tmp_path):
     out = tmp_path / "run"
     common = [*tiny_run(tmp_path), "checkpoint.every=1", "checkpoint.keep=1", "data.eval_prompts=null",
@@ -52,3 +54,14 @@ def test_manifest_of_a_run_and_its_resume(tmp_path):
     assert data["checkpoints"][names[-1]]["files"] == {p.name: _sha(p) for p in last.iterdir() if p.is_file()}
     lora = out / "final" / "lora" / "pytorch_lora_weights.safetensors"
     assert data["exports"] == {str(lora.relative_to(out)): _sha(lora)}
+
+
+def test_code_version_is_this_checkout_or_null(tmp_path):
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
+
+    here = code_version()
+    if git("rev-parse", "--show-toplevel"):  # a checkout (CI, development); an installed copy has none
+        assert here == {"commit": git("rev-parse", "HEAD"),
+                        "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    assert code_version(tmp_path) is None  # not a git checkout

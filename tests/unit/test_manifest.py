@@ -1,6 +1,6 @@
 """output_dir/manifest.json (grpo/manifest.py) in-process: the fields of a segment, the checkpoints' and exports'
 hashes equal sha256 of the files, a resume appends a segment and keeps what was recorded, pruned checkpoints stay
-recorded as removed, the code's commit (null outside a git checkout). A real 2-process run and its resume:
+recorded as removed. A real 2-process run and its resume:
 tests/recipe/test_manifest_runs.py."""
 
 from __future__ import annotations
@@ -8,14 +8,22 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 
 from grpo import checkpoint as ckpt
-from grpo.manifest import MANIFEST, RunManifest, code_version, packages
-from tests import ROOT
+from grpo import manifest as run_manifest
+from grpo.manifest import MANIFEST, RunManifest, packages
+
+CODE = {"commit": "0" * 40, "dirty": False}
+
+
+@pytest.fixture(autouse=True)
+def no_git(monkeypatch):
+    """The commit comes from `git` (a process; this tier starts none): tests/recipe/test_manifest_runs.py checks it."""
+    monkeypatch.setattr(run_manifest, "code_version", lambda: CODE)
 
 
 def _sha(path: Path) -> str:
@@ -42,7 +50,7 @@ def test_segments_checkpoints_and_exports(tmp_path):
     [seg] = data["segments"]
     assert seg["config_sha256"] == _sha(out / "config.yaml") and seg["world_size"] == 1 and seg["first_step"] == 0
     assert seg["resumed_from"] is None and seg["finished"] is False and seg["start"] <= seg["end"]
-    assert seg["hosts"] and sum(seg["devices"].values()) == 1 and seg["command"][0]
+    assert seg["hosts"] and sum(seg["devices"].values()) == 1 and seg["command"][0] and seg["code"] == CODE
     assert {"python", "torch", "deepspeed", "diffusers", "transformers", "peft"} <= set(seg["packages"])
     assert data["checkpoints"] == {} and data["exports"] == {}
 
@@ -73,17 +81,6 @@ def test_other_ranks_write_nothing(tmp_path):
     (tmp_path / "config.yaml").write_text("seed: 42\n")
     RunManifest.begin(tmp_path, 1, 1, torch.device("cpu"), None, 0).update(finished=True)
     assert not (tmp_path / MANIFEST).exists()
-
-
-def test_code_version_is_this_checkout_or_null(tmp_path):
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
-
-    here = code_version()
-    if git("rev-parse", "--show-toplevel"):  # a checkout (CI, development); an installed copy has none
-        assert here == {"commit": git("rev-parse", "HEAD"),
-                        "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
-    assert code_version(tmp_path) is None  # not a git checkout
 
 
 def test_packages_are_the_installed_versions():
