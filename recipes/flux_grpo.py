@@ -521,10 +521,10 @@ class FluxGRPORecipe:
         """Collective: a resumable checkpoint (grpo/checkpoint/) after `steps_done` completed steps."""
         state = ckpt.RunState(steps_done, self.skips.consecutive, self.skips.total)
         path = self.checkpoints.save(self.engine, state, self._stateful())
+        with agreed_outside_failure(self.device), writes_under(self.out, "the manifest"):
+            self.manifest.update()  # before the line: once it is logged, everything of the checkpoint is written
         if self.rank == 0:
             log.info("checkpoint %s", path)
-        with agreed_outside_failure(self.device), writes_under(self.out, "the manifest"):
-            self.manifest.update()
 
     def save_final(self) -> None:
         """Collective: every rank takes part in gathering the shards; rank 0 writes."""
