@@ -96,6 +96,7 @@ from grpo.models.blocks import compile_blocks, compile_seconds, enable_checkpoin
 from grpo.inputs import check_inputs
 from grpo.loading import transformer_loader
 from grpo.loss import poison_nonfinite
+from grpo.manifest import RunManifest
 from grpo.metrics import MetricsLogger, progress, save_grid
 from grpo.profiling import PhaseClock, StepProfiler
 from grpo.prompts import ensure_cache, ensure_negative, ensure_references, load_cache, read_prompt_set
@@ -183,6 +184,10 @@ class FluxGRPORecipe:
             self.out.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.out / "config.yaml")
         self._setup_run_state()  # EMA, checkpoint resume, metrics
+        # output_dir/manifest.json: this start's command, code, packages, hosts; later every checkpoint's and
+        # export's hashes (grpo/manifest.py); a resumed run appends its segment
+        self.manifest = RunManifest.begin(self.out, self.rank, self.world, self.device, self.resume_from,
+                                          self.state.step)
         self.profiler = StepProfiler.from_config(cfg, self.out, self.rank, self.device)  # profile.steps; no-op if []
 
     def _setup_data(self) -> None:
@@ -305,9 +310,14 @@ class FluxGRPORecipe:
             if update.skipped_updates < self.layout.updates_per_step + update.extra_blocks:
                 self._update_averages()
             self.objective.remember(self.models, step, chunks, advantages)
+        n = self.layout.samples_per_step
         timings = {"time/rollout_s": clock.seconds["rollout"], "time/reward_s": clock.seconds["reward"],
                    "time/update_s": clock.seconds["train"], "step_time_s": clock.total,
-                   "samples_per_s": self.layout.samples_per_step / clock.total}
+                   "samples_per_s": n / clock.total,
+                   # each phase's throughput, over every rank (the rollout with its preview and decode, the update
+                   # with its reference forwards): where a step's time goes, per image
+                   "time/rollout_images_per_s": n / clock.seconds["rollout"],
+                   "time/update_images_per_s": n / clock.seconds["train"]}
         if self.cfg.model.compile:  # compile time is part of the phases' times above; reported apart
             timings["time/compile_s"] = compile_seconds() - compiling
         # Transformer compute per image in forward-equivalents (a backward counts 2): what strategies trade.
@@ -511,6 +521,8 @@ class FluxGRPORecipe:
         """Collective: a resumable checkpoint (grpo/checkpoint/) after `steps_done` completed steps."""
         state = ckpt.RunState(steps_done, self.skips.consecutive, self.skips.total)
         path = self.checkpoints.save(self.engine, state, self._stateful())
+        with agreed_outside_failure(self.device), writes_under(self.out, "the manifest"):
+            self.manifest.update()  # before the line: once it is logged, everything of the checkpoint is written
         if self.rank == 0:
             log.info("checkpoint %s", path)
 
@@ -529,6 +541,8 @@ class FluxGRPORecipe:
         dist.barrier()
         with agreed_outside_failure(self.device), writes_under(self.out, "the reward curve"):
             self.metrics.close()
+        with agreed_outside_failure(self.device), writes_under(self.out, "the manifest"):
+            self.manifest.update(finished=True)
 
 
 def main(argv: list[str] | None = None, recipe_class: type | None = None) -> int:

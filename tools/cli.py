@@ -40,6 +40,8 @@ GROUPS: dict[str, dict[str, Command]] = {
         "eval": Command("tools.eval:main", "evaluate a checkpoint offline on held-out prompts"),
         "compare": Command("tools.compare:main", "paired gains and differences of tools.eval's scores.json files"),
         "export": Command("tools.export:main", "export a training checkpoint to plain diffusers weights"),
+        "report": Command("tools.report:main", "a run's markdown page: curves, held-out table, throughput, "
+                                               "manifest"),
         "rewards": Command("tools.rewards:main", "list the rewards, score a folder of images, or serve rewards over "
                                                  "HTTP"),
     },

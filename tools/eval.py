@@ -2,12 +2,15 @@
 
 The held-out prompts are sampled (eta = 0, fixed noise) in one process without DeepSpeed.
 
-    python -m tools.eval CONFIG [checkpoint=PATH] [weights=auto|ema|model] [key=value ...]
+    python -m tools.eval CONFIG [checkpoint=PATH] [weights=auto|ema|model] [out=DIR] [key=value ...]
 
 checkpoint: a checkpoint folder or a run folder (default: the newest valid checkpoint under output_dir; the base
 model only when there is none). weights: auto (the EMA's when the checkpoint has them), ema or model. Writes
-``output_dir/eval/<checkpoint>/grid.png`` (one row per prompt: base | checkpoint; for an editing set source | base |
-checkpoint) and ``scores.json`` (`python -m tools.compare` reads two of them paired, image by image). The sampling
+``grid.png`` (one row per prompt: base | checkpoint; for an editing set source | base | checkpoint) and
+``scores.json`` (`python -m tools.compare` reads two of them paired, image by image) beside the evaluated run:
+``RUN/eval/<checkpoint>/`` for ``RUN/checkpoints/<checkpoint>`` whatever the preset's output_dir, so evaluating
+another run of the same preset never writes over this one's; ``output_dir/eval/base/`` for the base model alone;
+``out=DIR`` writes to DIR instead (e.g. a re-scoring under other settings kept apart from the first). The sampling
 and scoring are the recipe's own (grpo/eval.py), so the images are those of the run's held-out evals.
 """
 
@@ -53,6 +56,16 @@ def _summary(components: torch.Tensor, total: torch.Tensor, names: list[str], n_
     }
 
 
+def results_dir(cfg: RecipeConfig, checkpoint: Path | None) -> Path:
+    """Beside the evaluated run: RUN/eval/<name> for a checkpoint RUN/checkpoints/<name> (a checkpoint folder
+    elsewhere: <its folder>/eval/<name>), output_dir/eval/base for the base model alone."""
+    if checkpoint is None:
+        return Path(cfg.output_dir) / "eval" / "base"
+    folder = checkpoint.parent
+    run = folder.parent if folder.name == "checkpoints" else folder
+    return run / "eval" / checkpoint.name
+
+
 def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weights: str = "auto",
                         out_dir: str | Path | None = None) -> dict:
     """Sample and score the held-out prompts with the base model and with `checkpoint`'s weights (one process).
@@ -62,7 +75,7 @@ def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weight
         checkpoint: a checkpoint folder, a run folder, or None for the newest valid checkpoint under
             cfg.output_dir/checkpoints (base only when there is none).
         weights: auto (EMA when the checkpoint has it), ema, or model.
-        out_dir: where grid.png and scores.json go; default output_dir/eval/<checkpoint name>.
+        out_dir: where grid.png and scores.json go; default :func:`results_dir`.
 
     Returns:
         {"prompts", "base": {...}, "checkpoint": {...} | None, "images": {"base": T, "checkpoint": T}, "dir"}.
@@ -117,7 +130,7 @@ def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weight
         result["checkpoint"] = {"path": str(found), "step": meta["step"], "weights": meta["weights"],
                                 **_summary(comps, total, rewards.names, len(cache))}
         result["images"]["checkpoint"] = images.cpu()
-    out = Path(out_dir) if out_dir else Path(cfg.output_dir) / "eval" / (found.name if found else "base")
+    out = Path(out_dir) if out_dir else results_dir(cfg, found)
     out.mkdir(parents=True, exist_ok=True)
     first = slice(0, len(cache))  # the first seed's image of every prompt: one row per prompt
     # An editing set's rows start with their source image (as the model saw it: at the sampling resolution).
@@ -137,18 +150,20 @@ def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weight
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m tools.eval CONFIG [checkpoint=PATH] [weights=auto|ema|model] [key=value ...]`."""
+    """`python -m tools.eval CONFIG [checkpoint=PATH] [weights=auto|ema|model] [out=DIR] [key=value ...]`."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    own = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv[1:] if a.startswith(("checkpoint=", "weights="))}
-    overrides = [a for a in argv[1:] if not a.startswith(("checkpoint=", "weights="))]
+    mine = ("checkpoint=", "weights=", "out=")
+    own = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv[1:] if a.startswith(mine)}
+    overrides = [a for a in argv[1:] if not a.startswith(mine)]
 
     def body() -> str:
         cfg = load_config(argv[0], overrides)
-        return evaluate_checkpoint(cfg, own.get("checkpoint") or None, own.get("weights", "auto"))["dir"]
+        return evaluate_checkpoint(cfg, own.get("checkpoint") or None, own.get("weights", "auto"),
+                                   own.get("out") or None)["dir"]
 
     return run_command(body)
 

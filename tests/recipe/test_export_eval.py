@@ -3,7 +3,8 @@
 Two short 2-process runs (a LoRA run with EMA, a full fine-tune without) write checkpoints. Then, in this process and
 without DeepSpeed's launcher:
 * tools.eval samples the held-out prompts from the base model and from the checkpoint; its scores equal the rewards
-  the recipe logged for the same weights (eval/reward_mean at step 0 and at the last step);
+  the recipe logged for the same weights (eval/reward_mean at step 0 and at the last step); they are written beside
+  the evaluated run, never over another run's;
 * tools.export writes a diffusers LoRA file, a fused transformer folder and a full transformer folder; FluxPipeline
   with those weights (load_lora_weights / FluxTransformer2DModel.from_pretrained), fed the same prompts and starting
   noise, reproduces tools.eval's images within 1e-5; so does the recipe's own final export.
@@ -104,6 +105,22 @@ def test_eval_cli_rejects_a_bad_argument(runs, capsys):
     r = runs["lora"]
     rc = eval_main([str(ROOT / LORA), f"model.path={TINY}", f"output_dir={r['dir']}", "weights=best"])
     assert rc == 2 and "error: weights: 'best'" in capsys.readouterr().err
+
+
+def test_eval_cli_writes_beside_the_evaluated_run(runs, tmp_path):
+    """`python -m tools.eval CONFIG checkpoint=RUN` with the preset's output_dir naming another run of the preset:
+    the results go to RUN/eval/<checkpoint>/, and the other run's scores stay as they were (issue 56: they were
+    overwritten)."""
+    r = runs["lora"]
+    other = tmp_path / "other_run"
+    theirs = other / "eval" / r["ckpt"].name / "scores.json"
+    theirs.parent.mkdir(parents=True)
+    theirs.write_text('{"the other run": 1}')
+    overrides = [o for o in _overrides(r["tmp"], "lora", []) if not o.startswith("output_dir=")]
+    assert eval_main([str(ROOT / LORA), *overrides, f"output_dir={other}", f"checkpoint={r['dir']}"]) == 0
+    assert theirs.read_text() == '{"the other run": 1}'
+    ours = json.loads((r["dir"] / "eval" / r["ckpt"].name / "scores.json").read_text())
+    assert ours["checkpoint"]["path"] == str(r["ckpt"]) and ours["prompts"] == PROMPTS
 
 
 def test_exported_lora_reproduces_the_samples_in_diffusers(runs, evals, pipe, tmp_path):

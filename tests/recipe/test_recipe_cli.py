@@ -1,7 +1,9 @@
 """The README's path: launch/run.sh on 2 CPU processes, what a run writes, and that the exports load in diffusers."""
 
+import hashlib
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +16,11 @@ from tools.launch import free_port
 FAST = ["batch.prompts_per_step=2", "sampling.group_size=4", "batch.micro_batch_size=4", "sampling.num_steps=4",
         "max_steps=2", "logging.sample_every=1", f"model.path={TINY}"]
 FIELDS = {"step", "reward_mean", "reward_std", "loss", "kl", "ratio_mean", "ratio_max_dev", "clip_frac", "grad_norm",
-          "lr", "step_time_s", "samples_per_s"}
+          "lr", "step_time_s", "samples_per_s", "time/rollout_images_per_s", "time/update_images_per_s"}
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def launch(config: str, out, *extra: str) -> subprocess.CompletedProcess:
@@ -38,6 +44,12 @@ def test_run_sh_trains_logs_and_exports(tmp_path, kind):
     assert any("eval/reward_mean" in r for r in rows)
     assert (out / "config.yaml").is_file() and (out / "samples" / "step_00000.png").is_file()
     assert list((out / "tensorboard").iterdir())
+    # the evidence of the run (grpo/manifest.py; a resume's segment: tests/recipe/test_manifest_runs.py)
+    manifest = json.loads((out / "manifest.json").read_text())
+    [segment] = manifest["segments"]
+    assert segment["finished"] and segment["world_size"] == 2 and segment["config_sha256"] == _sha(out / "config.yaml")
+    exports = [p for p in sorted((out / "final").rglob("*")) if p.is_file()]
+    assert exports and manifest["exports"] == {str(p.relative_to(out)): _sha(p) for p in exports}
 
     pipe = FluxPipeline.from_pretrained(str(TINY), dtype=torch.float32)
     if kind == "lora":
