@@ -9,6 +9,9 @@
   root/CLIP-ViT-H-14-laion2B-s32B-b79K/        the laion processor files: preprocessor_config.json (legacy format),
                                                tokenizer.json/vocab.json/merges.txt, config.json
 and returns a rewards spec whose options point at them, so every reward loads through its real loading code.
+`write_tiny_imagereward(root)` and `write_tiny_hpsv3(root)` write the larger-model rewards' stand-ins apart (their
+parity tests only): root/ImageReward/ (ImageReward.pt + med_config.json) + root/bert-base-uncased/ (vocab.txt), and
+root/HPSv3/HPSv3.safetensors + root/Qwen2-VL/ (a tiny Qwen2-VL config and processor).
 The tokenizers use CLIP's real vocabulary (open_clip's bundled BPE), so token ids match the real models'.
 """
 
@@ -21,7 +24,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["TINY_CLIP", "tiny_clip_config", "write_tiny_reward_files", "clip_vocab"]
+__all__ = ["TINY_CLIP", "tiny_clip_config", "write_tiny_reward_files", "clip_vocab", "write_tiny_imagereward",
+           "write_tiny_hpsv3"]
 
 TINY_CLIP = "grpo-tiny-clip"
 VOCAB_SIZE = 49408  # CLIP's BPE: 256 bytes x 2 + 48894 merges + 2 specials
@@ -162,3 +166,64 @@ def write_tiny_reward_files(root: str | Path, seed: int = 0) -> dict[str, dict[s
         "jpeg_compressibility": {"weight": 1.0},
         "jpeg_incompressibility": {"weight": 1.0},
     }
+
+
+# BERT's special tokens at their bert-base-uncased ids' order, then the words of the tests' prompts and the letters
+# (WordPiece falls back to them): a vocabulary small enough for a tiny embedding table.
+_BERT_WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz",
+               *(f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz"), "red", "green", "blue", "cyan", "magenta", "yellow",
+               "circle", "square", "triangle", "on", "background", "cat", "dog", "photo", "of"]
+
+
+def write_tiny_imagereward(root: str | Path, seed: int = 0) -> dict[str, Any]:
+    """A tiny ImageReward checkpoint in the package's layout: BLIP ViT (width 64, one block, patch 32, 224 px), a
+    one-layer text encoder of width 768 (the package's MLP(768) is fixed), random MLP; and a BERT vocab.
+
+    Returns:
+        the `imagereward` reward's options (weight 1.0) pointing at them.
+    """
+    from transformers import BertTokenizer
+    from transformers.models.blip.modeling_blip import BlipVisionModel
+    from transformers.models.blip.modeling_blip_text import BlipTextModel
+
+    from grpo.rewards.aesthetic import AestheticMLP
+    from grpo.rewards.imagereward import CHECKPOINT, MED_CONFIG, _text_config, _vision_config, to_package_keys
+
+    root = Path(root)
+    tok_dir, repo = root / "bert-base-uncased", root / "ImageReward"
+    tok_dir.mkdir(parents=True, exist_ok=True)
+    repo.mkdir(exist_ok=True)
+    (tok_dir / "vocab.txt").write_text("\n".join(_BERT_WORDS) + "\n")
+    BertTokenizer(str(tok_dir / "vocab.txt")).save_pretrained(tok_dir)
+    # med_config.json as BLIP's (a BertConfig with cross-attention), at tiny depth; + 2 for [DEC] and [ENC].
+    med = {"architectures": ["BertModel"], "attention_probs_dropout_prob": 0.1, "hidden_act": "gelu",
+           "hidden_dropout_prob": 0.1, "hidden_size": 768, "initializer_range": 0.02, "intermediate_size": 128,
+           "layer_norm_eps": 1e-12, "max_position_embeddings": 64, "model_type": "bert", "num_attention_heads": 12,
+           "num_hidden_layers": 1, "pad_token_id": 0, "type_vocab_size": 2, "vocab_size": len(_BERT_WORDS) + 2,
+           "encoder_width": 64, "add_cross_attention": True}
+    (repo / MED_CONFIG).write_text(json.dumps(med, indent=1))
+    torch.manual_seed(seed + 4)
+    grid, patch, width = 7, 32, 64
+    vision = BlipVisionModel(_vision_config({
+        "embeddings.class_embedding": torch.zeros(1, 1, width),
+        "embeddings.patch_embedding.weight": torch.zeros(width, 3, patch, patch),
+        "embeddings.position_embedding": torch.zeros(1, grid * grid + 1, width),
+        "encoder.layers.0.mlp.fc1.weight": torch.zeros(4 * width, width)}))
+    text = BlipTextModel(_text_config(med, width), add_pooling_layer=False)
+    mlp = AestheticMLP([768, 1024, 128, 64, 16, 1])
+    state = to_package_keys(vision.state_dict(), text.state_dict(), mlp.state_dict())
+    # Unit-gain random weights (BERT's init, std 0.02, and the MLP's 1/769 would leave the image's effect on the
+    # score below float32 noise): matrices and kernels ~ N(0, 1/fan_in), the class and position embeddings
+    # N(0, 0.5^2), biases N(0, 0.1^2), LayerNorm gains 1 + N(0, 0.1^2).
+    for key, value in state.items():
+        if value.dim() == 1:
+            state[key] = float(key.endswith(".weight")) + 0.1 * torch.randn_like(value)
+        else:
+            state[key] = torch.randn_like(value) * (0.5 if value.shape[0] == 1 else value[0].numel() ** -0.5)
+    # BLIP_Pretrain's contrastive projections are in the real file too (unused by the score).
+    state["blip.vision_proj.weight"], state["blip.vision_proj.bias"] = torch.randn(256, width), torch.zeros(256)
+    state["blip.text_proj.weight"], state["blip.text_proj.bias"] = torch.randn(256, 768), torch.zeros(256)
+    # med.py registers its position ids as a persistent buffer, so BLIP checkpoints carry them.
+    state["blip.text_encoder.embeddings.position_ids"] = torch.arange(med["max_position_embeddings"])[None]
+    torch.save({k: v.contiguous() for k, v in state.items()}, repo / CHECKPOINT)
+    return {"weight": 1.0, "repo": str(repo), "tokenizer": str(tok_dir)}
