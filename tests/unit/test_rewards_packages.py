@@ -150,3 +150,14 @@ def test_hpsv3_equals_the_package(tiny_hpsv3, hpsv3_package) -> None:
         expected = inferencer.reward(_pil(x), prompts)[:, 0]
     torch.testing.assert_close(reward(x, prompts), expected, atol=1e-5, rtol=0)
     assert abs(expected[0] - expected[2]) > 1e-3  # same prompt, another image
+
+
+def test_hpsv3_served_remotely_scores_as_in_process(tiny_hpsv3) -> None:
+    """docs/operations.md's recipe for a separate reward GPU: `python -m tools.rewards serve` holding hpsv3, the
+    training ranks' `remote` reward asking it (here a real server in a thread, as tests/unit/test_rewards_remote.py)."""
+    from tests.unit.test_rewards_remote import serving
+
+    x, prompts = images(2, 64, 64, seed=4), list(PROMPTS[:2])
+    with serving({"hpsv3": tiny_hpsv3}) as (url, batcher):
+        remote = build_rewards({"remote@hpsv3": {"url": url, "reward": "hpsv3", "retries": 1}}, "cpu")
+        torch.testing.assert_close(remote(x, prompts)[:, 0], batcher.rewards(x, prompts)[:, 0], atol=1e-6, rtol=0)
