@@ -166,7 +166,8 @@ class HPSv3Reward(ModelReward):
                               f"plus {REWARD_TOKEN} has {len(tokenizer)}; give the base model HPSv3 was trained on")
         config.text_config.vocab_size = rows
         try:
-            self.model = Qwen2VLModel.from_pretrained(None, config=config, state_dict=weights, dtype=torch.float32)
+            # Loaded in the scoring dtype: a float32 copy of the 8 B parameters would need 33 GB of host memory.
+            self.model = Qwen2VLModel.from_pretrained(None, config=config, state_dict=weights, dtype=self.dtype)
             self.head = reward_head(head)
         except Exception as err:  # shape mismatches
             raise ConfigError(f"{where}.repo: {checkpoint} does not fit the config of {base} "
