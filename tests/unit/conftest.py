@@ -59,7 +59,7 @@ def package_class(path: Path, name: str, namespace: dict) -> type:
 def image_reward_package():
     """The `image-reward` package's ImageReward.py and BLIP modules (ImageReward.ImageReward, .models.BLIP.*),
     imported without running its `__init__`s: they import OpenAI's `clip` for the CLIP/aesthetic baselines the
-    score does not use. Shims, none in the scoring math: fairscale (vit.py imports it for gradient checkpointing
+    score does not use. Shims, none in the scoring math: fairscale where absent (vit.py imports it for checkpointing
     only); four helpers its 2023 med.py/blip.py take from transformers 4, which transformers 5 moved or dropped
     (apply_chunking_to_forward and prune_linear_layer now in pytorch_utils; invert_attention_mask and get_head_mask,
     written as transformers 4 had them; BertTokenizer.additional_special_tokens_ids) and the tied-weights table
@@ -76,10 +76,12 @@ def image_reward_package():
         package = types.ModuleType(name)
         package.__path__ = [path]
         sys.modules[name] = package
-    for name in ("fairscale", "fairscale.nn", "fairscale.nn.checkpoint",
-                 "fairscale.nn.checkpoint.checkpoint_activations"):
-        sys.modules.setdefault(name, types.ModuleType(name))
-    sys.modules["fairscale.nn.checkpoint.checkpoint_activations"].checkpoint_wrapper = None
+    stubs = []
+    if importlib.util.find_spec("fairscale") is None:
+        stubs = ["fairscale", "fairscale.nn", "fairscale.nn.checkpoint", "fairscale.nn.checkpoint.checkpoint_activations"]
+        for name in stubs:
+            sys.modules[name] = types.ModuleType(name)
+        sys.modules[stubs[-1]].checkpoint_wrapper = None
     added = [n for n in ("apply_chunking_to_forward", "prune_linear_layer", "find_pruneable_heads_and_indices")
              if not hasattr(modeling_utils, n)]
     for name in added:
@@ -101,7 +103,7 @@ def image_reward_package():
     finally:
         for name in added:
             delattr(modeling_utils, name)
-        for name in [n for n in sys.modules if n.split(".")[0] in ("ImageReward", "fairscale")]:
+        for name in [n for n in sys.modules if n.split(".")[0] == "ImageReward"] + stubs:
             del sys.modules[name]
         sys.modules.update({k: v for k, v in saved.items() if v is not None})
 
