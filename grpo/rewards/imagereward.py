@@ -25,6 +25,7 @@ google-bert/bert-base-uncased vocab.txt tokenizer_config.json`.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,8 @@ from grpo.schema import setting
 
 __all__ = ["ImageRewardReward", "ImageRewardOptions", "IMAGEREWARD_MEAN", "IMAGEREWARD_STD", "VISION_KEYS",
            "to_package_keys"]
+
+logger = logging.getLogger(__name__)
 
 REPO = "THUDM/ImageReward"
 CHECKPOINT = "ImageReward.pt"
@@ -85,10 +88,9 @@ def to_package_keys(vision: dict[str, Tensor], text: dict[str, Tensor], mlp: dic
             **{f"mlp.{k}": v for k, v in mlp.items()}}
 
 
-def _split(state: dict[str, Tensor], where: str) -> tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
-    """ImageReward.pt's state dict -> (BlipVisionModel, BlipTextModel, MLP) state dicts."""
-    parts: tuple[dict[str, Tensor], ...] = ({}, {}, {})
-    unknown = []
+def _split(state: dict[str, Tensor], where: str) -> tuple[dict[str, Tensor], ...]:
+    """ImageReward.pt's state dict -> (BlipVisionModel, BlipTextModel, MLP, other) state dicts."""
+    parts: tuple[dict[str, Tensor], ...] = ({}, {}, {}, {})
     for key, value in state.items():
         if key.startswith(UNUSED):
             continue
@@ -99,10 +101,10 @@ def _split(state: dict[str, Tensor], where: str) -> tuple[dict[str, Tensor], dic
         elif key.startswith("mlp."):
             parts[2][key.removeprefix("mlp.")] = value
         else:
-            unknown.append(key)
-    if unknown or not all(parts):
+            parts[3][key] = value
+    if not all(parts[:3]):
         raise ConfigError(f"{where}: not an ImageReward checkpoint (expected blip.visual_encoder.*, "
-                          f"blip.text_encoder.*, mlp.*; unexpected {unknown[:3]}); give ImageReward.pt of {REPO}")
+                          f"blip.text_encoder.*, mlp.*; found {list(state)[:3]}); give ImageReward.pt of {REPO}")
     return parts
 
 
@@ -160,15 +162,23 @@ class ImageRewardReward(ModelReward):
             med = json.loads(med_file.read_text())
         except Exception as err:  # pickle.UnpicklingError (weights_only), EOFError, bad JSON, OSError, ...
             raise ConfigError(f"{where}.repo: cannot read {checkpoint} or {med_file} ({first_line(err)})") from err
-        vision, text, mlp = _split(state, f"{where}.repo")
-        self.vision = BlipVisionModel(_vision_config(vision))
-        self.text = BlipTextModel(_text_config(med, self.vision.config.hidden_size), add_pooling_layer=False)
-        for module, part in ((self.vision, vision), (self.text, text)):
-            try:
-                module.load_state_dict(part, strict=True)
-            except RuntimeError as err:
-                raise ConfigError(f"{where}.repo: {checkpoint} does not fit {MED_CONFIG} and BLIP's ViT "
-                                  f"({first_line(err)})") from err
+        vision, text, mlp, other = _split(state, f"{where}.repo")
+        try:
+            self.vision = BlipVisionModel(_vision_config(vision))
+            self.text = BlipTextModel(_text_config(med, self.vision.config.hidden_size), add_pooling_layer=False)
+            # Unexpected keys are ignored as the package's load (strict=False) ignores them; missing ones are not.
+            ignored = list(other)
+            for module, part in ((self.vision, vision), (self.text, text)):
+                loaded = module.load_state_dict(part, strict=False)
+                if loaded.missing_keys:
+                    raise KeyError(f"missing {loaded.missing_keys[:3]}")
+                ignored += loaded.unexpected_keys
+        except (KeyError, RuntimeError, ValueError) as err:  # missing or mis-shaped weights
+            raise ConfigError(f"{where}.repo: {checkpoint} does not fit {MED_CONFIG} and BLIP's ViT "
+                              f"({first_line(err)})") from err
+        if ignored:
+            logger.warning("%s: %d checkpoint keys the score does not use were ignored (%s, ...)", where,
+                           len(ignored), ignored[0])
         self.mlp = AestheticMLP.from_state_dict(mlp, f"{where}.repo")
         if self.vision.config.image_size != IMAGE_SIZE:
             raise ConfigError(f"{where}.repo: the checkpoint's ViT takes {self.vision.config.image_size} px images, "

@@ -4,6 +4,7 @@ call (ImageReward.score, HPSv3RewardInferencer.reward) on the PIL images against
 
 from __future__ import annotations
 
+import shutil
 import types
 from pathlib import Path
 
@@ -161,3 +162,28 @@ def test_hpsv3_served_remotely_scores_as_in_process(tiny_hpsv3) -> None:
     with serving({"hpsv3": tiny_hpsv3}) as (url, batcher):
         remote = build_rewards({"remote@hpsv3": {"url": url, "reward": "hpsv3", "retries": 1}}, "cpu")
         torch.testing.assert_close(remote(x, prompts)[:, 0], batcher.rewards(x, prompts)[:, 0], atol=1e-6, rtol=0)
+
+
+def test_imagereward_checkpoint_keys(tiny_imagereward, tmp_path, caplog) -> None:
+    """Keys the score does not use are ignored with a warning (the package loads with strict=False); a missing
+    weight is a one-line ConfigError (the package would score with a random one)."""
+    source = Path(tiny_imagereward["repo"])
+    state = torch.load(source / "ImageReward.pt")
+    x, prompts = images(2, 64, 64, seed=5), list(PROMPTS[:2])
+    expected = build_rewards({"imagereward": tiny_imagereward}, "cpu")(x, prompts)
+    for name, change in (("extra", {"blip.itm_head.weight": torch.zeros(2, 768)}), ("missing", None)):
+        folder = tmp_path / name
+        shutil.copytree(source, folder)
+        edited = {**state, **change} if change else {k: v for k, v in state.items() if "layer_norm" not in k
+                                                      and "norm1" not in k}
+        torch.save(edited, folder / "ImageReward.pt")
+        spec = {"imagereward": {**tiny_imagereward, "repo": str(folder)}}
+        if change:
+            with caplog.at_level("WARNING", logger="grpo.rewards.imagereward"):
+                torch.testing.assert_close(build_rewards(spec, "cpu")(x, prompts), expected, atol=0, rtol=0)
+            assert "1 checkpoint keys the score does not use were ignored (blip.itm_head.weight" in caplog.text
+        else:
+            with pytest.raises(ConfigError, match=r"^rewards\.imagereward\.repo: .* does not fit med_config.json "
+                                                  r"and BLIP's ViT \(KeyError: .*missing") as err:
+                build_rewards(spec, "cpu")
+            assert "\n" not in str(err.value)
