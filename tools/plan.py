@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -51,6 +52,7 @@ import re
 import sys
 import weakref
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,7 +78,11 @@ OFFLOAD_CONFIG = "ds_configs/zero3_offload.json"
 # open_clip / CLIP backbones of the rewards (parameters counted once from open_clip on the meta device).
 BACKBONE_PARAMS = {"ViT-H-14": 986_109_441, "ViT-H-14-378": 986_109_441, "ViT-H-14-378-quickgelu": 986_109_441,
                    "ViT-L-14": 427_616_513, "ViT-L-14-quickgelu": 427_616_513}
-REWARD_BACKBONE = {"hpsv2": "ViT-H-14", "pickscore": "ViT-H-14", "aesthetic": "ViT-L-14"}
+# ImageReward's BLIP (ViT-L/16 + BERT-base with cross-attention + MLP) and HPSv3's Qwen2-VL-7B without lm_head, with
+# its reward head, as grpo/rewards/imagereward.py and hpsv3.py build them (counted on the meta device).
+BACKBONE_PARAMS |= {"BLIP-L (ImageReward)": 446_206_689, "Qwen2-VL-7B (HPSv3)": 7_748_610_610}
+REWARD_BACKBONE = {"hpsv2": "ViT-H-14", "pickscore": "ViT-H-14", "aesthetic": "ViT-L-14",
+                   "imagereward": "BLIP-L (ImageReward)", "hpsv3": "Qwen2-VL-7B (HPSv3)"}
 # Rewards scored by a server (python -m tools.rewards serve, a VLM server): their models are on other machines.
 SERVED_REWARDS = ("remote", "vlm_judge")
 REWARD_SERVER = "http://REWARD_HOST:8000"  # the lever's placeholder: where `python -m tools.rewards serve` listens
@@ -394,6 +400,13 @@ class Plan:
         return self.phase_total(self.peak_phase)
 
 
+def _default(reward: str, option: str) -> Any:
+    """A registered reward's default for `option` (hpsv3 scores in bfloat16, the others in float32)."""
+    from grpo.rewards import reward_class
+
+    return next(f.default for f in dataclasses.fields(reward_class(reward).OPTIONS) if f.name == option)
+
+
 def _reward_bytes(rewards: dict) -> tuple[int, int, list[str]]:
     """(bytes resident on the device, bytes that visit it for the reward phase only, notes)."""
     from grpo.rewards import normalize_spec
@@ -413,7 +426,7 @@ def _reward_bytes(rewards: dict) -> tuple[int, int, list[str]]:
         if n is None:
             notes.append(f"reward {name}: unknown backbone {arch!r}, not counted")
             continue
-        nbytes = n * parse_dtype(options.get("dtype", "float32")).itemsize
+        nbytes = n * parse_dtype(options.get("dtype", _default(base, "dtype"))).itemsize
         if options.get("device") == "cpu":
             continue
         if options.get("offload"):

@@ -11,7 +11,7 @@ Interface used by the recipe::
     bad = finite_check(comps, rewards.names)         # log reward/<name>_nonfinite; skip non-finite groups
     reward = mix(comps, rewards.weights, group_ids, normalize_per_group)
 
-Registered names: hpsv2, pickscore, clip_score, aesthetic, tiny_world, tiny_world_meta, jpeg_compressibility,
+Registered names: hpsv2, pickscore, clip_score, aesthetic, imagereward, hpsv3, tiny_world, tiny_world_meta, jpeg_compressibility,
 jpeg_incompressibility, remote (a reward served by `python -m tools.rewards serve`), vlm_judge (a VLM behind an
 OpenAI-compatible chat API); "pkg.module:factory" adds your own. `python -m tools.rewards --list` shows every option.
 """

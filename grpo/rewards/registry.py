@@ -40,6 +40,8 @@ REGISTRY: dict[str, str] = {
     "pickscore": "grpo.rewards.pickscore:PickScoreReward",
     "clip_score": "grpo.rewards.clip_score:ClipScoreReward",
     "aesthetic": "grpo.rewards.aesthetic:AestheticReward",
+    "imagereward": "grpo.rewards.imagereward:ImageRewardReward",
+    "hpsv3": "grpo.rewards.hpsv3:HPSv3Reward",
     "tiny_world": "grpo.rewards.programmatic:TinyWorldReward",
     "tiny_world_meta": "grpo.rewards.programmatic:TinyWorldMetaReward",
     "tiny_edit": "grpo.rewards.programmatic:TinyEditReward",

@@ -39,3 +39,10 @@ def test_reward_levers_are_valid_overrides_that_free_the_device() -> None:
         cfg = load_config(str(ROOT / "recipes/configs/tiny/grpo_lora.yaml"), [*base, *change])
         assert len(cfg.rewards) == len(rewards)  # the other rewards are kept
         assert before - P._reward_bytes(cfg.rewards)[0] == freed
+
+
+def test_imagereward_and_hpsv3_are_counted_in_their_dtypes() -> None:
+    resident, visiting, _ = P._reward_bytes({"imagereward": 1.0, "hpsv3": {"offload": True}})
+    assert resident == P.BACKBONE_PARAMS["BLIP-L (ImageReward)"] * 4  # float32 by default
+    assert visiting == P.BACKBONE_PARAMS["Qwen2-VL-7B (HPSv3)"] * 2  # bfloat16 by default, as the package runs it
+    assert P._reward_bytes({"hpsv3": {"dtype": "float32"}})[0] == P.BACKBONE_PARAMS["Qwen2-VL-7B (HPSv3)"] * 4
