@@ -161,8 +161,9 @@ def compare_arms(arms: list[list[str]], ceiling: float | None = None) -> str:
         share = "" if ceiling is None else f" ({100 * s.mean / (ceiling - base_mean):.1f}% of the gap)"
         between = "-" if s.std is None else (f"std {s.std:.4f}, {s.low:+.4f} .. {s.high:+.4f}, worst "
                                              f"{arm[s.worst]}")
-        lines.append(f"arm {a}, {s.n} run{'s' * (s.n > 1)}: mean of the run means {base_mean + s.mean:.4f}, gain {s.mean:+.4f}{share}"
-                     f" | between runs {between} | per image: a run's SE {se:.4f} | {_dominant(s.std, se)}")
+        lines.append(f"arm {a}, {s.n} run{'s' * (s.n > 1)}: mean of the run means {base_mean + s.mean:.4f}, gain "
+                     f"{s.mean:+.4f}{share} | between runs {between} | per image: a run's SE {se:.4f} | "
+                     f"{_dominant(s.std, se)}")
         arm_stats.append(s)
         arm_images.append([sum(xs) / len(xs) for xs in zip(*(r["checkpoint"]["per_image"] for r in rs))])
     first = arm_stats[0]
