@@ -136,8 +136,8 @@ STRATEGIES: dict[str, tuple[str, list[str], str]] = {
 # None): the same objective, strategy and tiny-world settings on another model (grpo.schema.read_preset's swap).
 FAMILIES = {"flux1": None, "flux2": "recipes/configs/tiny_flux2/base.yaml"}
 TINY_BASE = "recipes/configs/tiny/base.yaml"
-# What ground-truth images score on each family's tiny world (docs/tiny_world.md; FLUX.1 the figure docs/results.md
-# reads its shares against): a final gain's share of the gap is of the gap from the step-0 eval to it.
+# What ground-truth images score on each family's tiny world (docs/tiny_world.md; FLUX.1's is the one docs/results.md
+# reads its shares against): a seed's final gain is read as a share of the gap from its step-0 eval to it.
 CEILINGS = {"flux1": 0.9966, "flux2": 0.9952}
 SEEDS = [42, 43, 44]
 
