@@ -343,6 +343,9 @@ def main() -> None:
     (out / "curves.json").write_text(json.dumps(curves, indent=1))
     plot(curves, out / "time_to_reward.png")
 
+    # each seed's runs against the baseline's run of that seed: what the summary over the seeds is of
+    readings = {n: seed_readings(seed_curves["dancegrpo"], seed_curves[n], ceiling) for n in names}
+    del readings["dancegrpo"]["speed-up"]  # 1 on every seed where it gained
     base = curves["dancegrpo"]
     gain, need_base, _ = speedup(base, base)
     print(f"baseline held-out gain {gain:+.4f} at {base[-1][0]:.0f} fwd/image (reached at {need_base}); the seed-mean "
@@ -351,13 +354,10 @@ def main() -> None:
         _, need, ratio = speedup(base, curves[n])
         final = curves[n][-1][1] - curves[n][0][1]
         at_budget = f"{final / gain:.2f}x the baseline's" if gain > 0 else "-"
-        # each seed's run against the baseline's run of that seed: the speed-ups the summary below is over
-        own = ", ".join(f"{seed}: {speedup(b, c)[2]:.2f}x"
-                        for seed, b, c in zip(seeds, seed_curves["dancegrpo"], seed_curves[n]))
+        own = ", ".join(f"{seed}: {'-' if x is None else f'{x:.2f}x'}"
+                        for seed, x in zip(seeds, readings[n]["speed-up"]))
         print(f"{n:>14}: final gain {final:+.4f} ({at_budget}); reaches the baseline's gain at "
               f"{'never' if need is None else f'{need:.0f}'} fwd/image -> speed-up {ratio:.2f}x (per seed {own})")
-    readings = {n: seed_readings(seed_curves["dancegrpo"], seed_curves[n], ceiling) for n in names}
-    del readings["dancegrpo"]["speed-up"]  # 1 on every seed where it gained
     (out / "seeds.json").write_text(json.dumps({"seeds": seeds, "ceiling": ceiling, "readings": readings}, indent=1))
     print(f"over training seeds {' '.join(map(str, seeds))}: mean | worst (seed) | std | min .. max (share of the gap "
           f"from each seed's step-0 eval to {ceiling})")
