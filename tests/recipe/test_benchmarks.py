@@ -72,7 +72,7 @@ def test_zero3_memory_smoke_and_planner_accuracy():
     assert any(line.strip().startswith("zero3") and "model copies" in line for line in lines)
 
 
-@pytest.mark.slow  # ~80 s; its arithmetic is tests/unit/test_time_to_reward.py's (CI time)
+@pytest.mark.slow  # ~160 s (two training seeds); its arithmetic is tests/unit/test_time_to_reward.py's (CI time)
 def test_time_to_reward_smoke(tmp_path):
     """Two strategies on a 2-step budget, two training seeds: the cost model agrees with what the runs log, the tables
     per seed and over the seeds are printed, and --report-only rebuilds them from the saved runs."""
