@@ -76,7 +76,7 @@ def test_zero3_memory_smoke_and_planner_accuracy():
 def test_time_to_reward_smoke(tmp_path):
     """Two strategies on a 2-step budget, two training seeds: the cost model agrees with what the runs log, the tables
     per seed and over the seeds are printed, and --report-only rebuilds them from the saved runs."""
-    lines = run("time_to_reward.py", "--smoke", "--out", str(tmp_path))
+    lines = run("time_to_reward.py", "--smoke", "--out", str(tmp_path), timeout=1800)  # four runs: room on a busy host
     # the smoke's 2-step baseline may gain nothing on a seed: then that seed has no reading
     best = r"mixgrpo_flash, mean of [12] seeds?; worst seed 4[23]: [0-9.]+|no strategy has a reading"
     assert re.fullmatch(rf"time_to_reward_speedup: [0-9.]+ \(({best})\)", lines[-1]), lines[-1]
