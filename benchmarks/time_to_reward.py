@@ -7,21 +7,27 @@ level 3: its forward and a backward that costs 2). The
 baseline runs `--budget-steps` steps; each strategy runs as many steps as fit in the baseline's compute. The
 held-out reward (eta = 0, the same fixed noise for every run, so the comparison is paired) is read every few steps.
 
-    python benchmarks/time_to_reward.py [--budget-steps 40] [--only NAME ...] [--seeds 42 ...] [--eval-seeds N]
-                                        [--eval-cfg-scale W] [--family flux1|flux2] [--out runs/time_to_reward]
-                                        [--reuse] [--smoke]
+    python benchmarks/time_to_reward.py [--budget-steps 40] [--only NAME ...] [--seeds 42 43 44] [--eval-seeds N]
+                                        [--eval-cfg-scale W] [--family flux1|flux2] [--ceiling R]
+                                        [--out runs/time_to_reward] [--reuse | --report-only] [--smoke]
 
 `--family flux2` runs the same presets on the tiny FLUX.2 [klein] world (assets/tiny-flux2): each resolved with
 recipes/configs/tiny_flux2/base.yaml, the tiny FLUX.2 model base, in place of tiny/base.yaml.
 
-With several `--seeds` every strategy trains once per seed (each seed's evals are paired across strategies: the eval
-noise is a function of the seed) and the curves are averaged over the seeds before the headline is read; the gain each
-seed reached is printed, so the spread between seeds shows how much of a difference is noise.
+Every strategy trains once per training seed, three by default (42 43 44: one seed's reading moved 2x between seeds
+before, RESULTS.md "Goal 1 met"); each seed's evals are paired across strategies (the eval noise is a function of the
+seed). Per seed a strategy reads its speed-up against the baseline's run of that seed, its final held-out gain over
+the seed's step-0 eval, and that gain's share of the gap from the step-0 eval to `--ceiling` (what ground-truth
+images score on the family's tiny world); over the seeds, each reading's mean, worst seed and spread (sample std,
+min .. max: benchmarks/_seeds.py). The curves averaged over the seeds are plotted and read too (the speed-up of the
+mean curve, as the headline was read before 2026-12-07).
 
-Headline (last line): time_to_reward_speedup = compute the baseline needs to reach its final held-out gain /
-compute the best strategy needs to reach the same gain (linear between eval points; 0 when none reaches it).
+Speed-up = compute the baseline needs to reach its final held-out gain / compute the strategy needs to reach the same
+gain (linear between eval points; 0 when it never does). Headline (last line): `time_to_reward_speedup: M (NAME,
+mean of 3 seeds; worst seed S: W)`, the best strategy's mean per-seed speed-up with its worst seed beside it.
 The compute a strategy spends per step comes from grpo's own window and solver functions, and is checked against
-the `forwards_per_image` each run logs.
+the `forwards_per_image` each run logs. `--report-only` trains nothing: it rebuilds the tables from the runs saved
+under `--out` (each run's metrics.jsonl; `seeds.json` holds the per-seed readings the last invocation printed).
 
 The default budget is 40 DanceGRPO steps. With 20, the baseline's final gain was +0.011 over two seeds (+0.017 and
 +0.004, where one seed's 144-image eval has a paired standard error of about 0.007), so the headline read the start of
@@ -44,6 +50,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._seeds import headline, summary_lines  # noqa: E402
 from grpo.config import load_config  # noqa: E402
 from grpo.rollout_plan import RolloutPlan  # noqa: E402
 from grpo.schema import read_preset  # noqa: E402
@@ -129,6 +136,10 @@ STRATEGIES: dict[str, tuple[str, list[str], str]] = {
 # None): the same objective, strategy and tiny-world settings on another model (grpo.schema.read_preset's swap).
 FAMILIES = {"flux1": None, "flux2": "recipes/configs/tiny_flux2/base.yaml"}
 TINY_BASE = "recipes/configs/tiny/base.yaml"
+# What ground-truth images score on each family's tiny world (docs/tiny_world.md; FLUX.1's is the one docs/results.md
+# reads its shares against): a seed's final gain is read as a share of the gap from its step-0 eval to it.
+CEILINGS = {"flux1": 0.9966, "flux2": 0.9952}
+SEEDS = [42, 43, 44]
 
 SMOKE = ["batch.prompts_per_step=4", "sampling.group_size=2", "batch.micro_batch_size=4", "logging.eval_seeds=1",
          "logging.tensorboard=false", "logging.sample_every=0", "logging.progress=false"]
@@ -170,10 +181,19 @@ def steps_within(cfg, budget: float) -> int:
 
 
 def run(name: str, family: str, overrides: list[str], steps: int, eval_every: int, run_dir: Path,
-        reuse: bool) -> list[dict]:
+        reuse: bool, train: bool = True) -> list[dict]:
+    """A run's metrics rows: a finished run's under `run_dir` with `reuse` (or without `train`), else trained now."""
     metrics = run_dir / "metrics.jsonl"
-    if reuse and (run_dir / "final").exists() and metrics.exists():
-        return [json.loads(line) for line in metrics.read_text().splitlines()]
+    if (reuse or not train) and (run_dir / "final").exists() and metrics.exists():
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        ran = 1 + max((r["step"] for r in rows if "forwards_per_image" in r), default=-1)
+        if ran != steps:
+            raise SystemExit(f"{run_dir}: a run of {ran} steps, this budget gives {name} {steps}; give the "
+                             f"--budget-steps it ran with, or another --out")
+        return rows
+    if not train:
+        raise SystemExit(f"{run_dir}: no finished run of {name} (--report-only trains nothing; drop it, with --reuse, "
+                         f"to train what is missing)")
     own = STRATEGIES[name][1]
     preset = preset_file(name, family, run_dir.parent / "presets")
     # The trained weights are read, not an EMA (awm_lora.yaml's default run keeps one): an average lags the curve
@@ -223,6 +243,20 @@ def speedup(base: list[tuple[float, float]], other: list[tuple[float, float]]) -
     return gain, need, need_base / need if need else 0.0
 
 
+def seed_readings(base: list[list[tuple[float, float]]], other: list[list[tuple[float, float]]],
+                  ceiling: float) -> dict[str, list[float | None]]:
+    """Per training seed, `other`'s run against the baseline's run of that seed: the speed-up (None where that baseline
+    gained nothing: no reading), the final held-out gain over the seed's step-0 eval, and its share of the gap from
+    that eval to `ceiling`."""
+    out = {"speed-up": [], "final gain": [], "share of the gap": []}
+    for b, c in zip(base, other, strict=True):
+        gain = c[-1][1] - c[0][1]
+        out["speed-up"].append(speedup(b, c)[2] if b[-1][1] > b[0][1] else None)
+        out["final gain"].append(gain)
+        out["share of the gap"].append(gain / (ceiling - c[0][1]))
+    return out
+
+
 def mean_curve(curves: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
     """The point-by-point mean of one strategy's curves over seeds (the same steps, so the same compute points)."""
     return [(pts[0][0], sum(r for _, r in pts) / len(pts)) for pts in zip(*curves)]
@@ -251,7 +285,9 @@ def main() -> None:
     parser.add_argument("--budget-steps", type=int, default=40, help="baseline steps; its compute is everyone's budget")
     parser.add_argument("--evals", type=int, default=5, help="held-out evals per run after step 0")
     parser.add_argument("--only", nargs="*", default=list(STRATEGIES), help="strategies to run (baseline first)")
-    parser.add_argument("--seeds", nargs="+", type=int, default=[42], help="training seeds; curves are averaged")
+    parser.add_argument("--seeds", nargs="+", type=int, default=None,
+                        help=f"training seeds (default {' '.join(map(str, SEEDS))}; --smoke: the first two): every "
+                             f"reading per seed, then its mean, worst seed and spread")
     parser.add_argument("--eval-seeds", type=int, default=None,
                         help="held-out images per prompt (default: the presets' logging.eval_seeds)")
     parser.add_argument("--eval-cfg-scale", type=float, default=None,
@@ -259,8 +295,14 @@ def main() -> None:
                              "whatever its rollouts use; default: each run's own")
     parser.add_argument("--family", choices=list(FAMILIES), default="flux1",
                         help="flux2: the tiny FLUX.2 [klein] world (assets/tiny-flux2) instead of tiny FLUX.1")
+    parser.add_argument("--ceiling", type=float, default=None,
+                        help="what ground-truth images score, the top of the gap a gain is a share of (default: the "
+                             "family's tiny world's, " + ", ".join(f"{k} {v}" for k, v in CEILINGS.items()) + ")")
     parser.add_argument("--out", default="runs/time_to_reward")
     parser.add_argument("--reuse", action="store_true", help="keep finished runs found under --out")
+    parser.add_argument("--report-only", action="store_true",
+                        help="train nothing: the tables from the finished runs under --out (an error names a "
+                             "missing one)")
     parser.add_argument("--smoke", action="store_true",
                         help="2 baseline steps on 8 images a step, baseline and MixGRPO-Flash only (tests the script)")
     args = parser.parse_args()
@@ -271,6 +313,8 @@ def main() -> None:
         extra = [*extra, f"sampling.eval_cfg_scale={args.eval_cfg_scale}"]
     if args.smoke:
         args.only = ["mixgrpo_flash"]
+    seeds = args.seeds or (SEEDS[:2] if args.smoke else SEEDS)
+    ceiling = CEILINGS[args.family] if args.ceiling is None else args.ceiling
     budget_steps = 2 if args.smoke else args.budget_steps
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -280,15 +324,15 @@ def main() -> None:
     budget = sum(step_cost(cfgs["dancegrpo"], k) for k in range(budget_steps))
     curves, seed_curves = {}, {}
     print(f"budget: {budget:.0f} forward-equivalents per image ({budget_steps} DanceGRPO steps), "
-          f"training seeds {args.seeds}")
+          f"training seeds {seeds}")
     for n in names:
         steps = budget_steps if n == "dancegrpo" else steps_within(cfgs[n], budget)
         per_seed, wall = [], 0.0
-        for seed in args.seeds:
+        for seed in seeds:
             # The first seed keeps the strategy's own folder name, so --reuse finds one-seed runs of before.
-            run_dir = out / (n if seed == args.seeds[0] else f"{n}_seed{seed}")
+            run_dir = out / (n if seed == seeds[0] else f"{n}_seed{seed}")
             rows = run(n, args.family, [*extra, f"seed={seed}"], steps, max(1, math.ceil(steps / args.evals)),
-                       run_dir, args.reuse)
+                       run_dir, args.reuse, train=not args.report_only)
             per_seed.append(curve(rows, cfgs[n]))
             wall += sum(r.get("step_time_s", 0.0) for r in rows)
         curves[n], seed_curves[n] = mean_curve(per_seed), per_seed
@@ -299,22 +343,28 @@ def main() -> None:
     (out / "curves.json").write_text(json.dumps(curves, indent=1))
     plot(curves, out / "time_to_reward.png")
 
+    # each seed's runs against the baseline's run of that seed: what the summary over the seeds is of
+    readings = {n: seed_readings(seed_curves["dancegrpo"], seed_curves[n], ceiling) for n in names}
+    del readings["dancegrpo"]["speed-up"]  # 1 on every seed where it gained
     base = curves["dancegrpo"]
     gain, need_base, _ = speedup(base, base)
-    print(f"baseline held-out gain {gain:+.4f} at {base[-1][0]:.0f} fwd/image (reached at {need_base})")
-    best = 0.0
+    print(f"baseline held-out gain {gain:+.4f} at {base[-1][0]:.0f} fwd/image (reached at {need_base}); the seed-mean "
+          f"curves:")
     for n in names[1:]:
         _, need, ratio = speedup(base, curves[n])
-        best = max(best, ratio)
         final = curves[n][-1][1] - curves[n][0][1]
         at_budget = f"{final / gain:.2f}x the baseline's" if gain > 0 else "-"
-        # the goal is per seed: each seed's run against the baseline's run of that seed
-        own = ", ".join(f"{seed}: {speedup(b, c)[2]:.2f}x"
-                        for seed, b, c in zip(args.seeds, seed_curves["dancegrpo"], seed_curves[n]))
+        own = ", ".join(f"{seed}: {'-' if x is None else f'{x:.2f}x'}"
+                        for seed, x in zip(seeds, readings[n]["speed-up"]))
         print(f"{n:>14}: final gain {final:+.4f} ({at_budget}); reaches the baseline's gain at "
               f"{'never' if need is None else f'{need:.0f}'} fwd/image -> speed-up {ratio:.2f}x (per seed {own})")
+    (out / "seeds.json").write_text(json.dumps({"seeds": seeds, "ceiling": ceiling, "readings": readings}, indent=1))
+    print(f"over training seeds {' '.join(map(str, seeds))}: mean | worst (seed) | std | min .. max (share of the gap "
+          f"from each seed's step-0 eval to {ceiling})")
+    for n in names:
+        print("\n".join(summary_lines(n, readings[n], seeds)))
     print(f"plot: {out / 'time_to_reward.png'}")
-    print(f"time_to_reward_speedup: {best:.3f}")
+    print(headline({n: readings[n]["speed-up"] for n in names[1:]}, seeds))
 
 
 if __name__ == "__main__":
