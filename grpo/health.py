@@ -146,3 +146,14 @@ def health_line(step: int, stats: dict[str, float], clip_range: float | None = N
                      f"{RATIO_DEV_WARN_FRACTION:.0%} of clip_range {_fmt(clip_range)}: the first pass does not "
                      "reproduce the rollout (model.deterministic)")
     return " | ".join(parts)
+
+
+def collapse_line(step: int, mean: float, best_step: int, best_mean: float, drop_sigmas: float, sigmas: float,
+                  stop: bool) -> str:
+    """The collapse alarm's health line (grpo/best.py): the eval of `step` is `drop_sigmas` paired standard errors
+    below the best eval (of `best_step`), more than `sigmas` (logging.collapse_alarm)."""
+    then = ("stopping here: a checkpoint is saved, best/ holds the best eval's weights (logging.collapse_alarm.stop)"
+            if stop else "best/ holds the best eval's weights; logging.collapse_alarm.stop=true ends a run here")
+    return (f"WARNING held-out collapse: the eval at step {step} ({_fmt(mean)}) is {_fmt(drop_sigmas)} paired "
+            f"standard errors below the best, the eval at step {best_step} ({_fmt(best_mean)}), more than "
+            f"logging.collapse_alarm.sigmas {_fmt(float(sigmas))}; {then}")
