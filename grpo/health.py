@@ -15,6 +15,10 @@ checkpoint and exit 0, and ``checkpoint.resume=auto`` continues the run exactly.
 --torchrun pass the signal on to the workers (tools/torchrun.py); under a plain torchrun send it to the worker
 processes: torchrun itself reacts to SIGTERM by terminating its workers after a 30 s grace period.
 
+Held-out collapse. The recipe keeps the best held-out eval (grpo/best.py) and logs :func:`collapse_line` at an eval
+that falls below it by more than ``logging.collapse_alarm.sigmas`` paired standard errors; with ``stop: true`` the run
+saves a checkpoint and ends there, exit 0 (grpo/run_control.py).
+
 The fault tests inject NaN rewards and losses from their side (tests/recipe/faulty_recipe.py: the recipe, with its
 rewards or losses poisoned where a real fault would enter).
 """
