@@ -76,7 +76,7 @@ def test_best_holds_the_best_evals_step_score_and_weights(runs, tmp_path):
     assert sorted(p.name for p in whole["dir"].iterdir() if "best" in p.name) == ["best"]  # no .tmp-best left
     # its weights: that step's checkpoint, exported by tools.export, tensor for tensor
     exported = export.export(whole["dir"] / "checkpoints" / f"step_{step:08d}", tmp_path / "exported")
-    mine, theirs = whole["lora"], load_file(str(exported / LORA))
+    mine, theirs = whole["lora"], load_file(str(exported / "pytorch_lora_weights.safetensors"))
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     final = load_file(str(whole["dir"] / "final" / LORA))
     assert any(not torch.equal(mine[k], final[k]) for k in mine)  # not the last weights
@@ -110,8 +110,9 @@ def test_a_resumed_run_keeps_the_best_and_the_alarm_exactly(runs):
     whole, cut, resumed = runs["whole"], runs["cut"], runs["resumed"]
     assert whole["best"]["step"] == 1, "the best is no longer the cut's last eval: adjust the test's settings"
     assert cut["best"] == whole["best"]  # best/ as the cut left it ...
-    assert "eval at step 1" not in resumed["log"] and "eval at step 2" in resumed["log"]  # ... the resumed part's
-    assert resumed["evals"] == whole["evals"]  # first eval at 2: the best before it came from the checkpoint alone
+    assert "flux_grpo eval at step 1:" not in resumed["log"]  # ... and the resumed part's first eval is at 2:
+    assert "flux_grpo eval at step 2:" in resumed["log"]  # the best before it came from the checkpoint alone
+    assert resumed["evals"] == whole["evals"]
     assert resumed["alarms"] == whole["alarms"]
     assert resumed["best"] == whole["best"]
     assert resumed["lora"].keys() == whole["lora"].keys()
