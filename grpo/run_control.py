@@ -1,10 +1,10 @@
 """Run control: how a recipe's run starts, stops and ends around its steps, apart from the algorithm.
 
     exit codes   :func:`main` builds, sets up and trains a recipe and maps how it ended to the process's exit code:
-                 0 done (or stopped by SIGTERM/SIGINT after saving), 2 bad input (ConfigError: one line, nothing
-                 written), 3 too many skipped updates in a row (health.TooManySkips: a checkpoint was saved), 75 a
-                 dependency is down (grpo.errors.DependencyDown) or a peer was lost, 1 anything else (an
-                 OutsideFailure such as a full disk: one line, the traceback in output_dir/logs/)
+                 0 done (or stopped by SIGTERM/SIGINT or the collapse alarm after saving), 2 bad input (ConfigError:
+                 one line, nothing written), 3 too many skipped updates in a row (health.TooManySkips: a checkpoint
+                 was saved), 75 a dependency is down (grpo.errors.DependencyDown) or a peer was lost, 1 anything else
+                 (an OutsideFailure such as a full disk: one line, the traceback in output_dir/logs/)
     stop signals SIGTERM/SIGINT set a flag (grpo.health.StopSignal); the ranks agree after a step, save and return
     evals        the held-out eval is due every logging.eval_every steps and after the last; one the run this one
                  resumes owed (it stopped before it) runs first; the collapse alarm with logging.collapse_alarm.stop

@@ -62,11 +62,12 @@ Launch:
     torchrun --nproc_per_node 8 recipes/flux_grpo.py --config CONFIG [key=value ...]
     bash launch/multinode.sh HOSTFILE CONFIG [key=value ...]
     ... checkpoint.resume=auto                     # after a preemption or crash: continue from the last checkpoint
-Exit codes: 0 done (or stopped by SIGTERM/SIGINT after saving), 2 bad input (one line on stderr, nothing written),
-3 too many skipped updates in a row (a checkpoint was saved), 75 a dependency is down, retry later (e.g. the reward
-server stopped answering: one line; resume with checkpoint.resume=auto once it is back), 1 anything else (e.g. a dead
-rank, a full disk: one line). A plain torchrun reports 2, 3 and 75 as 1 (rank 0's line is its report's root cause);
-launch/*.sh and python -m tools.torchrun keep them (grpo/run_control.py: the exit codes, evals, checkpoints, stops).
+Exit codes: 0 done (or stopped by SIGTERM/SIGINT or logging.collapse_alarm.stop after saving), 2 bad input (one line
+on stderr, nothing written), 3 too many skipped updates in a row (a checkpoint was saved), 75 a dependency is down,
+retry later (e.g. the reward server stopped answering: one line; resume with checkpoint.resume=auto once it is back),
+1 anything else (e.g. a dead rank, a full disk: one line). A plain torchrun reports 2, 3 and 75 as 1 (rank 0's line
+is its report's root cause); launch/*.sh and python -m tools.torchrun keep them (grpo/run_control.py: the exit codes,
+evals, checkpoints, stops).
 Copy and edit: cp recipes/flux_grpo.py my_recipe.py, then `bash launch/run.sh CONFIG` with RECIPE=my_recipe.py.
 """
 
