@@ -270,6 +270,9 @@ def _validate_run_control(cfg: RecipeSettings) -> None:
             raise ConfigError(f"{key}: {value} is negative; use a number of steps (0 = never)")
     if cfg.logging.eval_seeds < 1:
         raise ConfigError(f"logging.eval_seeds: {cfg.logging.eval_seeds}; use at least 1 image per held-out prompt")
+    if cfg.logging.collapse_alarm is not None:
+        _positive(cfg.logging.collapse_alarm.sigmas, "logging.collapse_alarm.sigmas", "e.g. 3.0; or "
+                  "logging.collapse_alarm=null for no alarm")
     if cfg.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.keep: {cfg.checkpoint.keep}; keep at least 1 checkpoint")
     if cfg.checkpoint.resume is not None and not cfg.checkpoint.resume.strip():

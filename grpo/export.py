@@ -4,7 +4,8 @@
   master shards, overlaid with the EMA weights when the checkpoint has them); :func:`apply_weights` puts them into a
   plain transformer. For one process without DeepSpeed: ``python -m tools.export`` and ``python -m tools.eval``.
 * :func:`write_lora` / :func:`write_transformer`: a diffusers LoRA file in the model family's format, or a folder of
-  the transformer's own class; the recipe's final export writes with them.
+  the transformer's own class; the recipe's final and best exports write with them.
+* :func:`publish`: a complete export folder put in place atomically (the recipe's best/, rewritten at every new best).
 
 Everything written is safetensors. DeepSpeed's reader unpickles its own ``.pt`` files (``weights_only=False``), so
 only read checkpoints you trust.
@@ -13,6 +14,8 @@ only read checkpoints you trust.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -20,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from grpo import checkpoint as ckpt
+from grpo.checkpoint.files import _fsync_dir
 from grpo.ema import assemble
 from grpo.errors import ConfigError
 
@@ -121,3 +125,22 @@ def apply_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], meta: 
         if result.missing_keys or result.unexpected_keys:
             raise ValueError(f"checkpoint does not fit the model: missing {result.missing_keys[:3]}, "
                              f"unexpected {result.unexpected_keys[:3]}")
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Put the complete folder `tmp` in the place of `final` (one process): its files synced, then renamed into place
+    as grpo/checkpoint/writer.py does a checkpoint. A folder cannot replace another in one rename: the old one moves
+    to ``.old-<name>`` first and is removed after, so a kill leaves `final` whole (the old or the new one), or, between
+    the two renames, absent with both whole beside it (``.old-<name>``, and `tmp` in full); never a half-written one."""
+    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    old = final.with_name(f".old-{final.name}")
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)

@@ -15,6 +15,10 @@ checkpoint and exit 0, and ``checkpoint.resume=auto`` continues the run exactly.
 --torchrun pass the signal on to the workers (tools/torchrun.py); under a plain torchrun send it to the worker
 processes: torchrun itself reacts to SIGTERM by terminating its workers after a 30 s grace period.
 
+Held-out collapse. The recipe keeps the best held-out eval (grpo/best.py) and logs :func:`collapse_line` at an eval
+that falls below it by more than ``logging.collapse_alarm.sigmas`` paired standard errors; with ``stop: true`` the run
+saves a checkpoint and ends there, exit 0 (grpo/run_control.py).
+
 The fault tests inject NaN rewards and losses from their side (tests/recipe/faulty_recipe.py: the recipe, with its
 rewards or losses poisoned where a real fault would enter).
 """
@@ -146,3 +150,14 @@ def health_line(step: int, stats: dict[str, float], clip_range: float | None = N
                      f"{RATIO_DEV_WARN_FRACTION:.0%} of clip_range {_fmt(clip_range)}: the first pass does not "
                      "reproduce the rollout (model.deterministic)")
     return " | ".join(parts)
+
+
+def collapse_line(step: int, mean: float, best_step: int, best_mean: float, drop_sigmas: float, sigmas: float,
+                  stop: bool) -> str:
+    """The collapse alarm's health line (grpo/best.py): the eval of `step` is `drop_sigmas` paired standard errors
+    below the best eval (of `best_step`), more than `sigmas` (logging.collapse_alarm)."""
+    then = ("stopping here: a checkpoint is saved, best/ holds the best eval's weights (logging.collapse_alarm.stop)"
+            if stop else "best/ holds the best eval's weights; logging.collapse_alarm.stop=true ends a run here")
+    return (f"WARNING held-out collapse: the eval at step {step} ({_fmt(mean)}) is {_fmt(drop_sigmas)} paired "
+            f"standard errors below the best, the eval at step {best_step} ({_fmt(best_mean)}), more than "
+            f"logging.collapse_alarm.sigmas {_fmt(float(sigmas))}; {then}")

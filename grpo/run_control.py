@@ -1,15 +1,17 @@
 """Run control: how a recipe's run starts, stops and ends around its steps, apart from the algorithm.
 
     exit codes   :func:`main` builds, sets up and trains a recipe and maps how it ended to the process's exit code:
-                 0 done (or stopped by SIGTERM/SIGINT after saving), 2 bad input (ConfigError: one line, nothing
-                 written), 3 too many skipped updates in a row (health.TooManySkips: a checkpoint was saved), 75 a
-                 dependency is down (grpo.errors.DependencyDown) or a peer was lost, 1 anything else (an
-                 OutsideFailure such as a full disk: one line, the traceback in output_dir/logs/)
+                 0 done (or stopped by SIGTERM/SIGINT or the collapse alarm after saving), 2 bad input (ConfigError:
+                 one line, nothing written), 3 too many skipped updates in a row (health.TooManySkips: a checkpoint
+                 was saved), 75 a dependency is down (grpo.errors.DependencyDown) or a peer was lost, 1 anything else
+                 (an OutsideFailure such as a full disk: one line, the traceback in output_dir/logs/)
     stop signals SIGTERM/SIGINT set a flag (grpo.health.StopSignal); the ranks agree after a step, save and return
     evals        the held-out eval is due every logging.eval_every steps and after the last; one the run this one
-                 resumes owed (it stopped before it) runs first
-    checkpoints  every checkpoint.every steps, on a stop signal, before exit 3, and when a dependency is down (the
-                 state of the completed steps, so that checkpoint.resume=auto continues exactly once it is back)
+                 resumes owed (it stopped before it) runs first; the collapse alarm with logging.collapse_alarm.stop
+                 ends the run at its eval, checkpointed, exit 0 (grpo/best.py)
+    checkpoints  every checkpoint.every steps, on a stop signal or the collapse alarm's stop, before exit 3, and when
+                 a dependency is down (the state of the completed steps, so that checkpoint.resume=auto continues
+                 exactly once it is back)
 
 A recipe (recipes/flux_grpo.py, or a copy of it) makes a :class:`RunControl` once it is set up and calls it from its
 training loop; its `main()` hands :func:`main` a function that builds the recipe.
@@ -45,7 +47,8 @@ class RunControl:
         metrics: the run's grpo.metrics.MetricsLogger (which evals it holds; closed when the run stops).
         skips: the run's grpo.health.SkipCounter.
         save: collective, `save(steps_done)` writes the checkpoint of that many completed steps.
-        evaluate: collective, `evaluate(step)` runs the held-out eval of `step` completed steps.
+        evaluate: collective, `evaluate(step)` runs the held-out eval of `step` completed steps; it returns why the
+            run stops there (the collapse alarm's line, with logging.collapse_alarm.stop), else None.
     """
 
     def __init__(self, cfg, device: torch.device, rank: int, world: int, checkpoints, metrics,
@@ -55,13 +58,17 @@ class RunControl:
         self.save, self.evaluate = save, evaluate
         self.out = Path(cfg.output_dir)
         self.stop = health.StopSignal()
+        self.halt: str | None = None  # why an eval stopped the run (the collapse alarm), once one did
 
     # ------------------------------------------------------------------------------------------- the loop
-    def start(self, step: int) -> None:
+    def start(self, step: int) -> bool:
         """Collective, before the first step of this start (`step` completed): the held-out eval at step 0, or one
-        the run this one resumes owed."""
+        the run this one resumes owed. True when that eval stops the run (checkpointed)."""
         if step == 0 or self.eval_owed(step):
-            self.evaluate(step)
+            self.halt = self.evaluate(step)
+        if self.halt is not None and not self.checkpoints.has(step):
+            self.save(step)
+        return self.halt is not None
 
     @contextlib.contextmanager
     def signals(self) -> Iterator[None]:
@@ -82,12 +89,14 @@ class RunControl:
         return True
 
     def after_step(self, done: int, too_many_skips: bool) -> bool:
-        """Collective: held-out eval and checkpoint when due; True when a stop signal arrived (the checkpoint is then
-        written). Raises health.TooManySkips, after its checkpoint, when `too_many_skips`."""
+        """Collective: held-out eval and checkpoint when due; True when a stop signal arrived or the eval stops the
+        run (the checkpoint is then written). Raises health.TooManySkips, after its checkpoint, when
+        `too_many_skips`."""
         stopping = self.stop.agreed(self.device)  # collective: every rank stops after the same step
         if not stopping and self.eval_due(done):
             with self.saved_if_a_dependency_is_down(steps_done=done):
-                self.evaluate(done)
+                self.halt = self.evaluate(done)
+        stopping = stopping or (self.halt is not None and done < self.cfg.max_steps)  # at the last: it ends anyway
         if self.checkpoints.due(done) or stopping or too_many_skips:
             self.save(done)
         if too_many_skips:
@@ -99,8 +108,11 @@ class RunControl:
         return stopping
 
     def stopped(self, done: int) -> None:
-        """The run stops on a signal after `done` steps (its checkpoint written)."""
-        if self.rank == 0:
+        """The run stops on a signal or at the collapse alarm after `done` steps (its checkpoint written)."""
+        if self.rank == 0 and self.halt is not None:
+            log.info("stopped after %d steps by the collapse alarm (logging.collapse_alarm.stop); to train on "
+                     "anyway: checkpoint.resume=auto", done)
+        elif self.rank == 0:
             log.info("stopped by signal after %d steps; resume with checkpoint.resume=auto", done)
         self.metrics.close()
 

@@ -271,11 +271,22 @@ class DeepSpeedConfig:
 
 
 @dataclass(kw_only=True)
+class CollapseAlarmConfig:
+    sigmas: float = setting(3.0, help="warn when a held-out eval falls below the best one by more than this many "
+                                      "paired standard errors (image by image: the evals share their images' noise)")
+    stop: bool = setting(False, help="also stop there: save a checkpoint and end the run (exit 0), best/ holding the "
+                                     "best eval's weights")
+
+
+@dataclass(kw_only=True)
 class LoggingConfig:
     sample_every: int = setting(help="a grid of rollout images every N steps; 0 = never")
     eval_every: int = setting(help="held-out eval (eta 0, fixed noise) every N steps, and before step 0 and after "
                                    "the last")
     eval_seeds: int = setting(help="images per held-out prompt, each from its own fixed noise")
+    collapse_alarm: CollapseAlarmConfig | None = setting(
+        factory=CollapseAlarmConfig, help="the collapse alarm on the held-out evals (grpo/best.py), e.g. {sigmas: 3.0, "
+                                          "stop: false}; null = off")
     tensorboard: bool = setting(help="write TensorBoard event files under output_dir")
     wandb: bool = setting(False, help="also log to Weights & Biases (pip install wandb; project from WANDB_PROJECT)")
     progress: bool = setting(help="tqdm bars on rank 0 for the rollout and update phases")

@@ -15,8 +15,9 @@ One step (`step()`, which the training loop, the tools and the tests all run) re
                advantage-weighted flow matching; accumulated, then an optimizer step; then the objective's extra
                blocks, if any (grpo with replay: past trajectories from its buffer, importance-weighted)
     remember   what the objective keeps for later steps (grpo with replay: the best positive-advantage trajectories)
-    log/save   health line, metrics.jsonl, TensorBoard, reward curve, sample grids, held-out eval every N steps,
-               a resumable checkpoint every N steps, and finally a LoRA or a full transformer export
+    log/save   health line, metrics.jsonl, TensorBoard, reward curve, sample grids, held-out eval every N steps
+               (the best one's weights exported to best/, the collapse alarm), a resumable checkpoint every N steps,
+               and finally a LoRA or a full transformer export
 
 Features and the settings that control them (every key with its help: python -m tools.check --help):
     full fine-tune or LoRA ........ lora: null | {rank, alpha, target_modules}
@@ -47,6 +48,9 @@ Features and the settings that control them (every key with its help: python -m 
     faults ........................ faults.{max_consecutive_skips, comm_timeout_s}; SIGTERM/SIGINT: finish the
                                     step, save, exit 0 (grpo/health.py, grpo/run_control.py)
     logging ....................... logging.{sample_every, eval_every, tensorboard, wandb, progress}
+    best checkpoint, collapse ..... every held-out eval better than all before it exports its weights to best/
+                                    (grpo/best.py); logging.collapse_alarm.{sigmas, stop}: warn (and stop) when an
+                                    eval falls below the best by more than sigmas paired standard errors
 
 Seeds: prompts, initial noise, SDE noise and trained timesteps are pure functions of (seed, step, global sample index)
 (grpo/data.py), so a preset gives the same run on 1 or N processes, and a resumed run continues exactly. Torch's
@@ -58,11 +62,12 @@ Launch:
     torchrun --nproc_per_node 8 recipes/flux_grpo.py --config CONFIG [key=value ...]
     bash launch/multinode.sh HOSTFILE CONFIG [key=value ...]
     ... checkpoint.resume=auto                     # after a preemption or crash: continue from the last checkpoint
-Exit codes: 0 done (or stopped by SIGTERM/SIGINT after saving), 2 bad input (one line on stderr, nothing written),
-3 too many skipped updates in a row (a checkpoint was saved), 75 a dependency is down, retry later (e.g. the reward
-server stopped answering: one line; resume with checkpoint.resume=auto once it is back), 1 anything else (e.g. a dead
-rank, a full disk: one line). A plain torchrun reports 2, 3 and 75 as 1 (rank 0's line is its report's root cause);
-launch/*.sh and python -m tools.torchrun keep them (grpo/run_control.py: the exit codes, evals, checkpoints, stops).
+Exit codes: 0 done (or stopped by SIGTERM/SIGINT or logging.collapse_alarm.stop after saving), 2 bad input (one line
+on stderr, nothing written), 3 too many skipped updates in a row (a checkpoint was saved), 75 a dependency is down,
+retry later (e.g. the reward server stopped answering: one line; resume with checkpoint.resume=auto once it is back),
+1 anything else (e.g. a dead rank, a full disk: one line). A plain torchrun reports 2, 3 and 75 as 1 (rank 0's line
+is its report's root cause); launch/*.sh and python -m tools.torchrun keep them (grpo/run_control.py: the exit codes,
+evals, checkpoints, stops).
 Copy and edit: cp recipes/flux_grpo.py my_recipe.py, then `bash launch/run.sh CONFIG` with RECIPE=my_recipe.py.
 """
 
@@ -71,7 +76,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import logging
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -86,6 +93,7 @@ from grpo import eval as evals
 from grpo import export, health
 from grpo import lock as out_lock
 from grpo import run_control
+from grpo.best import Best, HeldOut, below_best, definition
 from grpo.candidates import Starts
 from grpo.config import RecipeConfig, dump_config, load_config, to_dict
 from grpo.data import POOL_NOISE, micro_batches, prompts_for_step, step_noise_generator
@@ -224,6 +232,8 @@ class FluxGRPORecipe:
         self.models = Models(self.engine, self.sampler, self.lagging, self._inference,  # what the objective uses
                              prompts=self.train_prompts, layout=self.layout)
         self.checkpoints = ckpt.Checkpointer(cfg, self.rank, self.world)
+        # the best held-out eval so far (grpo/best.py): its weights are in best/; None without held-out prompts
+        self.best = Best(definition(self.eval_prompts.prompts, cfg)) if self.eval_prompts is not None else None
         self.state = ckpt.RunState(step=0)
         if self.resume_from is not None:
             self.state = self.checkpoints.load(self.resume_from, self.engine, self._stateful())
@@ -262,7 +272,8 @@ class FluxGRPORecipe:
     def train(self) -> None:
         """Run steps state.step .. max_steps-1; SIGTERM/SIGINT: finish the step, save, return (exit 0)."""
         cfg, run, first = self.cfg, self.control, self.state.step
-        run.start(first)  # the held-out eval at step 0, or the one the resumed run owed
+        if run.start(first):  # the held-out eval at step 0, or the one the resumed run owed
+            return run.stopped(first)
         with run.signals():
             for step in range(first, cfg.max_steps):
                 if step > first and run.stopped_before(step):  # signalled during the last eval or save: saved
@@ -281,7 +292,7 @@ class FluxGRPORecipe:
                     if cfg.logging.sample_every and step % cfg.logging.sample_every == 0 and self.rank == 0:
                         save_grid(result.images, self.out / "samples" / f"step_{step:05d}.png",
                                   cfg.sampling.group_size)
-                if run.after_step(step + 1, too_many_skips):  # eval and checkpoint when due
+                if run.after_step(step + 1, too_many_skips):  # eval and checkpoint when due; True: stop here
                     return run.stopped(step + 1)
         self.save_final()
 
@@ -482,10 +493,12 @@ class FluxGRPORecipe:
 
     # --------------------------------------------------------------------------------------------- evaluate
     @torch.no_grad()
-    def evaluate(self, step: int) -> float | None:
-        """ODE (eta = 0) samples of the held-out prompts with fixed noise, scored; logs eval/reward_mean.
+    def evaluate(self, step: int) -> str | None:
+        """ODE (eta = 0) samples of the held-out prompts with fixed noise, scored; logs eval/reward_mean. A new best
+        eval's weights go to best/; an eval too far below the best raises the collapse alarm (grpo/best.py).
 
         Shares its sampling and scoring with `python -m tools.eval` (grpo/eval.py); uses the EMA weights when on.
+        Returns the alarm's line when it stops the run (logging.collapse_alarm.stop), else None.
         """
         if self.eval_prompts is None:
             return None
@@ -501,12 +514,26 @@ class FluxGRPORecipe:
                 save_grid(images, self.out / "samples" / f"eval_step_{step:05d}.png", min(len(ids), 8))
         components = gather_by_index(local, torch.tensor(ids, device=self.device, dtype=torch.long), n)
         total = mix(components, self.rewards.weights.to(components.device), None, False)
+        # every rank gathered every image's reward: each takes the same decisions
+        now = HeldOut(step, total.float().cpu())
+        drop = self.best.drop(now)  # image by image against the best before it; None at the first eval
+        best_before = self.best.held
         with agreed_outside_failure(self.device), writes_under(self.out, f"the eval metrics of step {step}"):
-            self.metrics.log(step, {"eval/reward_mean": total.mean().item()})
+            self.metrics.log(step, {"eval/reward_mean": total.mean().item(), "eval/reward_se": now.se,
+                                    **({"eval/vs_best": drop.mean, "eval/vs_best_se": drop.se} if drop else {})})
         if self.rank == 0:
-            log.info("eval at step %d: held-out reward %.4f over %d prompts x %d seeds", step, total.mean().item(),
-                     len(self.eval_prompts), self.cfg.logging.eval_seeds)
-        return total.mean().item()
+            log.info("eval at step %d: held-out reward %.4f +- %.4f over %d prompts x %d seeds", step,
+                     total.mean().item(), now.se, len(self.eval_prompts), self.cfg.logging.eval_seeds)
+        if self.best.observe(now):
+            self.save_best()
+        alarm = self.cfg.logging.collapse_alarm
+        if drop is None or alarm is None or not below_best(drop, alarm.sigmas):
+            return None
+        line = health.collapse_line(step, now.mean, best_before.step, best_before.mean, drop.sigmas, alarm.sigmas,
+                                    alarm.stop)
+        if self.rank == 0:
+            log.warning(line)
+        return line if alarm.stop else None
 
     # ------------------------------------------------------------------------------------------------- save
     def _trained_weights(self):
@@ -515,7 +542,7 @@ class FluxGRPORecipe:
 
     def _stateful(self) -> dict:
         """What a checkpoint holds besides DeepSpeed's state, by name (None: not in this run)."""
-        return {"ema": self.ema, "lagging": self.lagging, "objective": self.objective}
+        return {"ema": self.ema, "lagging": self.lagging, "objective": self.objective, "best": self.best}
 
     def save_checkpoint(self, steps_done: int) -> None:
         """Collective: a resumable checkpoint (grpo/checkpoint/) after `steps_done` completed steps."""
@@ -526,18 +553,38 @@ class FluxGRPORecipe:
         if self.rank == 0:
             log.info("checkpoint %s", path)
 
-    def save_final(self) -> None:
-        """Collective: every rank takes part in gathering the shards; rank 0 writes."""
+    def _export(self, folder: Path, what: str) -> None:
+        """Collective: the weights evals use, as a diffusers LoRA (folder/lora) or the full transformer
+        (folder/transformer); every rank takes part in gathering the shards, rank 0 writes."""
         with self._trained_weights():
             if self.cfg.lora is not None:
                 state = eng.lora_state_dict(self.engine)  # rank 0 only, else None
-                with agreed_outside_failure(self.device), writes_under(self.out, "the final LoRA"):
+                with agreed_outside_failure(self.device), writes_under(self.out, f"{what} LoRA"):
                     if state is not None:
-                        export.write_lora(self.family, state, dataclasses.asdict(self.cfg.lora),
-                                          self.out / "final" / "lora")
+                        export.write_lora(self.family, state, dataclasses.asdict(self.cfg.lora), folder / "lora")
             else:
-                with writes_under(self.out, "the final transformer"):  # gathers inside: rank 0 may fail alone
-                    eng.save_full(self.engine, self.out / "final" / "transformer")
+                with writes_under(self.out, f"{what} transformer"):  # gathers inside: rank 0 may fail alone
+                    eng.save_full(self.engine, folder / "transformer")
+
+    def save_best(self) -> None:
+        """Collective: best/, as final/ is written, with best.json (the eval's step, mean and standard error), put in
+        place whole (export.publish): written into .tmp-best/ first, which a kill leaves behind and this removes."""
+        tmp = self.out / ".tmp-best"
+        with agreed_outside_failure(self.device), writes_under(self.out, "the best weights"):
+            if self.rank == 0 and tmp.exists():
+                shutil.rmtree(tmp)
+        self._export(tmp, "the best")
+        with agreed_outside_failure(self.device), writes_under(self.out, "the best weights"):
+            if self.rank == 0:
+                (tmp / "best.json").write_text(json.dumps(self.best.summary(), indent=1) + "\n")
+                export.publish(tmp, self.out / "best")
+                self.manifest.update()  # best/'s hashes
+                log.info("best held-out eval so far (step %d): its weights in %s", self.best.held.step,
+                         self.out / "best")
+
+    def save_final(self) -> None:
+        """Collective: every rank takes part in gathering the shards; rank 0 writes."""
+        self._export(self.out / "final", "the final")
         dist.barrier()
         with agreed_outside_failure(self.device), writes_under(self.out, "the reward curve"):
             self.metrics.close()

@@ -31,18 +31,10 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
+from grpo.best import paired
 from grpo.errors import ConfigError, run_command
 
 SAME_SCORE = 1e-4  # base scores closer than this are the same image
-
-
-def paired(before: list[float], after: list[float]) -> dict:
-    """Mean of after - before over the pairs, its standard error, t (0 for no spread) and the share of pairs up."""
-    d = [b - a for a, b in zip(before, after, strict=True)]
-    n = len(d)
-    mean = sum(d) / n
-    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n) if n > 1 else 0.0
-    return {"mean": mean, "se": se, "t": mean / se if se > 0 else 0.0, "higher": sum(x > 0 for x in d) / n, "n": n}
 
 
 class Spread(NamedTuple):

@@ -95,6 +95,8 @@ def _overrides(preset: str) -> list[str]:
 NEW_SETTINGS = {
     "sampling.true_cfg": None,  # new setting, off: true CFG
     "sampling.eval_cfg_scale": None,  # new setting: the evals guide as the rollouts do
+    "logging.collapse_alarm.sigmas": 3.0,  # new setting: the collapse alarm warns (grpo/best.py), training unchanged
+    "logging.collapse_alarm.stop": False,  # ... and never stops the run
 }
 # The same for the grpo section, in the presets that have one.
 NEW_GRPO_SETTINGS = {
