@@ -12,9 +12,10 @@ The specification is the inverse of diffusers 0.42's own readers, which are also
 and ``_convert_kohya_flux2_lora_to_diffusers`` (FLUX.2; line 2596). A fused module is written block-diagonally:
 lora_down = the parts' lora_A stacked along the rank (k*r rows), lora_up = block_diag(parts' lora_B) and
 alpha = k * alpha, so alpha / rank stays alpha / r. The readers' ``_convert_to_ai_toolkit_cat`` (lines 402 and
-2617; the sparse test at 437 and 2649) take the "sparse" branch exactly then (rank divisible by k and every off-diagonal block of lora_up zero): lora_down
-is chunked into the k parts' lora_A, and lora_up's diagonal blocks are the parts' lora_B, so the round trip is exact
-(only alpha / rank is folded into lora_A by the reader, a multiplication). A part the run did not train (proj_mlp of
+2617; the sparse test at 437 and 2649) take the "sparse" branch exactly then (rank divisible by k and every
+off-diagonal block of lora_up zero): lora_down is chunked into the k parts' lora_A, and lora_up's diagonal blocks
+are the parts' lora_B, so the round trip is exact (only alpha / rank is folded into lora_A by the reader, a
+multiplication). A part the run did not train (proj_mlp of
 FLUX.1's linear1 when lora.target_modules leaves it out) is a zero block: its reconstructed adapter adds nothing.
 
 diffusers' FLUX.1 reader splits linear1 with FLUX.1-dev's sizes written into it ([3072, 3072, 3072, 12288], line
@@ -33,7 +34,8 @@ import torch
 
 from grpo.errors import ConfigError
 
-COMFYUI_FILE = "comfyui_lora.safetensors"  # beside diffusers' pytorch_lora_weights.safetensors, which its loader prefers
+# beside diffusers' pytorch_lora_weights.safetensors, which load_lora_weights(folder) picks when a folder holds both
+COMFYUI_FILE = "comfyui_lora.safetensors"
 
 # (BFL module, diffusers modules it fuses along its output) per block kind; "{i}" is the block index
 _FLUX1 = {

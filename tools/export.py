@@ -1,6 +1,7 @@
 """Export a training checkpoint to plain diffusers weights, offline (one process, no DeepSpeed launch).
 
-    python -m tools.export CHECKPOINT OUT [--format lora|comfyui|full] [--weights auto|ema|model] [--dtype fp32|bf16|fp16]
+    python -m tools.export CHECKPOINT OUT [--format lora|comfyui|full] [--weights auto|ema|model]
+                                          [--dtype fp32|bf16|fp16]
 
 CHECKPOINT is a checkpoint folder (output_dir/checkpoints/step_...) or a run folder (its newest valid checkpoint).
 The fp32 weights come from DeepSpeed's ``zero_to_fp32`` (the optimizer's master shards of every rank), overlaid with

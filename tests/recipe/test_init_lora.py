@@ -24,26 +24,46 @@ pytestmark = pytest.mark.skipif(not (TINY_FLUX2 / "model_index.json").exists(), 
 CONFIG = ROOT / "recipes/configs/tiny_flux2/grpo_lora.yaml"
 
 
-def test_a_run_started_from_a_comfyui_lora_trains_from_its_weights(tmp_path):
+ARGS = [*SMALL, f"model.path={TINY_FLUX2}", "logging.eval_every=0", "logging.sample_every=0",
+        "logging.tensorboard=false", "optim.lr=1e-30", "export.formats=[diffusers, comfyui]"]
+
+
+@pytest.fixture(scope="module")
+def started(tmp_path_factory):
+    """One step on 2 processes from a ComfyUI-format LoRA of random (non-trivial) weights, checkpointed."""
+    tmp = tmp_path_factory.mktemp("init_lora")
     lora = load_config(CONFIG).lora
-    family = family_of(TINY_FLUX2)
-    meta = family.meta_transformer(str(TINY_FLUX2))
+    meta = family_of(TINY_FLUX2).meta_transformer(str(TINY_FLUX2))
     meta.add_adapter(PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, init_lora_weights=lora.init,
                                     target_modules=lora.target_modules))
     g = torch.Generator().manual_seed(0)
     state = {k: 0.1 * torch.randn(shape, generator=g) for k, shape in expected_adapter(meta).items()}
-    init = write_comfyui(state, meta, dataclasses.asdict(lora), tmp_path / "init")
-    out = tmp_path / "run"
-    proc = run_recipe(str(CONFIG), [*SMALL, f"model.path={TINY_FLUX2}", f"output_dir={out}",
-                                    f"data.cache_dir={tmp_path / 'cache'}", "logging.eval_every=0",
-                                    "logging.sample_every=0", "logging.tensorboard=false", "max_steps=1",
-                                    "checkpoint.every=0", "optim.lr=1e-30", f"lora.init_from={init}",
-                                    "export.formats=[diffusers, comfyui]"], 2)
+    init = write_comfyui(state, meta, dataclasses.asdict(lora), tmp / "init")
+    out = tmp / "run"
+    proc = run_recipe(str(CONFIG), [*ARGS, f"output_dir={out}", f"data.cache_dir={tmp / 'cache'}", "max_steps=1",
+                                    "checkpoint.every=1", f"lora.init_from={init}"], 2)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return {"state": state, "init": init, "out": out, "tmp": tmp}
+
+
+def test_a_run_started_from_a_comfyui_lora_trains_from_its_weights(started):
+    state, out = started["state"], started["out"]
     assert [r["ratio_max_dev"] for r in train_rows(out)] == [0.0]
     final = out / "final" / "lora"
     diffusers_file = load_file(str(final / "pytorch_lora_weights.safetensors"))
-    assert {k.removeprefix("transformer."): v for k, v in diffusers_file.items()}.keys() == state.keys()
+    assert {k.removeprefix("transformer.") for k in diffusers_file} == state.keys()
     assert all(torch.equal(diffusers_file[f"transformer.{k}"], v) for k, v in state.items())
-    comfy, written = load_file(str(final / COMFYUI_FILE)), load_file(str(init))
+    comfy, written = load_file(str(final / COMFYUI_FILE)), load_file(str(started["init"]))
     assert comfy.keys() == written.keys() and all(torch.equal(comfy[k], v) for k, v in written.items())
+
+
+@pytest.mark.slow
+def test_a_resumed_run_reads_its_checkpoint_not_the_init_lora(started):
+    """lora.init_from matters at step 0 only: resumed with the file gone, the run goes on from its checkpoint."""
+    started["init"].unlink()
+    out, cache = started["out"], started["tmp"] / "cache"
+    proc = run_recipe(str(CONFIG), [*ARGS, f"output_dir={out}", f"data.cache_dir={cache}", "max_steps=2",
+                                    "checkpoint.every=1", "checkpoint.resume=auto",
+                                    f"lora.init_from={started['init']}"], 2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert len(train_rows(out)) == 2
