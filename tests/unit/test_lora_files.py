@@ -91,8 +91,9 @@ def _pipe(path):
 
 def _image(pipe, name):
     kwargs = {}
-    if name == "kontext":
-        kwargs["image"] = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(3))
+    if name == "kontext":  # a 64x64 source kept at its size (not resized to Kontext's preferred ~1 megapixel)
+        kwargs = {"image": torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(3)),
+                  "max_area": 64 * 64, "_auto_resize": False}
     with torch.no_grad():
         return pipe(prompt="a red circle on a blue background", height=64, width=64, num_inference_steps=2,
                     max_sequence_length=32, output_type="pt", generator=torch.Generator().manual_seed(0),
