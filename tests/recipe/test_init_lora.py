@@ -2,7 +2,8 @@
 the adapters come from a ComfyUI-format file (read through diffusers' kohya FLUX.2 reader), the first-pass ratio is
 exactly 1, and the weights the run trains from are the file's, bit for bit: with an update of 1e-30 (optim.lr must be
 positive; 1e-30 times AdamW's unit-sized step is far below half an fp32 ulp of weights of size ~0.1, and so is the
-decay factor's distance from 1) the final export, written in both formats (export.formats), holds the file's tensors.
+decay factor's distance from 1) the final export, written in both formats (export.formats), holds the file's tensors,
+and so does tools.export --format comfyui of the run's checkpoint.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from grpo.lora_files import COMFYUI_FILE, expected_adapter, write_comfyui
 from grpo.models import family_of
 from tests import ROOT, TINY_FLUX2
 from tests.recipe.launch import SMALL, run_recipe, train_rows
+from tools.export import export
 
 pytestmark = pytest.mark.skipif(not (TINY_FLUX2 / "model_index.json").exists(), reason="tiny FLUX.2 not built")
 CONFIG = ROOT / "recipes/configs/tiny_flux2/grpo_lora.yaml"
@@ -55,6 +57,9 @@ def test_a_run_started_from_a_comfyui_lora_trains_from_its_weights(started):
     assert all(torch.equal(diffusers_file[f"transformer.{k}"], v) for k, v in state.items())
     comfy, written = load_file(str(final / COMFYUI_FILE)), load_file(str(started["init"]))
     assert comfy.keys() == written.keys() and all(torch.equal(comfy[k], v) for k, v in written.items())
+    # tools.export --format comfyui: the same file from the step-1 checkpoint, offline
+    exported = load_file(str(export(out, started["tmp"] / "exported", "comfyui") / COMFYUI_FILE))
+    assert exported.keys() == written.keys() and all(torch.equal(exported[k], v) for k, v in written.items())
 
 
 @pytest.mark.slow
