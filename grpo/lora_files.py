@@ -101,7 +101,8 @@ def to_comfyui(state: dict[str, torch.Tensor], transformer: torch.nn.Module, alp
     for kohya, parts in _groups(transformer):
         if not trained.intersection(parts):
             continue
-        rank = next(state[f"{p}.lora_A.weight"].shape[0] for p in parts if p in trained)
+        like = state[f"{next(p for p in parts if p in trained)}.lora_A.weight"]
+        rank = like.shape[0]
         downs, ups = [], []
         for p in parts:
             if p in trained:
@@ -109,14 +110,13 @@ def to_comfyui(state: dict[str, torch.Tensor], transformer: torch.nn.Module, alp
                 ups.append(state[f"{p}.lora_B.weight"])
             else:  # not trained: a zero block of the same rank, so the reader's split stays the sparse, exact one
                 layer = transformer.get_submodule(p)
-                like = downs[0] if downs else state[f"{next(q for q in parts if q in trained)}.lora_A.weight"]
                 downs.append(like.new_zeros(rank, layer.in_features))
                 ups.append(like.new_zeros(layer.out_features, rank))
         if any(d.shape[0] != rank for d in downs):
             raise ConfigError(f"export.formats comfyui: {kohya} fuses {parts} of different ranks")
         out[f"{kohya}.lora_down.weight"] = torch.cat(downs).contiguous()
         out[f"{kohya}.lora_up.weight"] = torch.block_diag(*ups).contiguous()
-        out[f"{kohya}.alpha"] = torch.tensor(float(alpha) * len(parts), dtype=downs[0].dtype)
+        out[f"{kohya}.alpha"] = torch.tensor(float(alpha) * len(parts))  # fp32 whatever the weights' dtype
         placed.update(p for p in parts if p in trained)
     unplaced = sorted(trained - placed)
     if unplaced:
