@@ -3,8 +3,9 @@
 * :func:`trained_weights`: the fp32 trainable weights of a checkpoint (DeepSpeed's ``zero_to_fp32`` of the optimizer's
   master shards, overlaid with the EMA weights when the checkpoint has them); :func:`apply_weights` puts them into a
   plain transformer. For one process without DeepSpeed: ``python -m tools.export`` and ``python -m tools.eval``.
-* :func:`write_lora` / :func:`write_transformer`: a diffusers LoRA file in the model family's format, or a folder of
-  the transformer's own class; the recipe's final and best exports write with them.
+* :func:`write_lora` / :func:`write_transformer`: a diffusers LoRA file in the model family's format (and/or
+  ComfyUI's, grpo/lora_files.py), or a folder of the transformer's own class; the recipe's final and best exports
+  write with them.
 * :func:`publish`: a complete export folder put in place atomically (the recipe's best/, rewritten at every new best).
 
 Everything written is safetensors. DeepSpeed's reader unpickles its own ``.pt`` files (``weights_only=False``), so
@@ -26,6 +27,7 @@ from grpo import checkpoint as ckpt
 from grpo.checkpoint.files import _fsync_dir
 from grpo.ema import assemble
 from grpo.errors import ConfigError
+from grpo.lora_files import write_comfyui
 
 
 def _ema_weights(path: Path, meta: dict) -> dict[str, torch.Tensor]:
@@ -67,16 +69,23 @@ def lora_metadata(lora: dict) -> dict:
             "target_modules": list(lora["target_modules"]), "init_lora_weights": lora.get("init", "gaussian")}
 
 
-def write_lora(family, state: dict[str, torch.Tensor], lora: dict, out_dir: str | Path) -> None:
-    """A diffusers LoRA file (pytorch_lora_weights.safetensors) loadable by the family pipeline's load_lora_weights.
+def write_lora(family, state: dict[str, torch.Tensor], lora: dict, out_dir: str | Path,
+               formats: list[str] | tuple[str, ...] = ("diffusers",), model_path: str | None = None) -> None:
+    """The LoRA files of `formats` in `out_dir`: diffusers' (pytorch_lora_weights.safetensors, for the family
+    pipeline's load_lora_weights) and ComfyUI's (comfyui_lora.safetensors, grpo/lora_files.py).
 
     Args:
-        family: the model's grpo.models.ModelFamily (its pipeline writes the file).
+        family: the model's grpo.models.ModelFamily (its pipeline writes the diffusers file).
         state: adapter weights in PEFT naming (no adapter name), e.g. from grpo.engine.lora_state_dict.
         lora: the run's `lora:` settings (rank, alpha, target_modules, init).
         out_dir: the folder to write.
+        formats: export.formats.
+        model_path: the model folder (its transformer's config names and sizes ComfyUI's modules); comfyui only.
     """
-    family.save_lora(out_dir, state, lora_metadata(lora))
+    if "diffusers" in formats:
+        family.save_lora(out_dir, state, lora_metadata(lora))
+    if "comfyui" in formats:
+        write_comfyui(state, family.meta_transformer(model_path), lora, out_dir)
 
 
 def write_transformer(state: dict[str, torch.Tensor], class_name: str, transformer_config: dict,

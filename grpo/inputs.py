@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from grpo import checkpoint, lock, metrics, prompts
+from grpo import checkpoint, lock, lora_files, metrics, prompts
 from grpo.config import RecipeConfig
 from grpo.layout import Layout, derive_layout
 from grpo.errors import ConfigError
@@ -208,6 +208,7 @@ def check_inputs(cfg: RecipeConfig, world_size: int) -> Inputs:
     ds_config = load_ds_config(cfg.deepspeed.config, cfg, layout)
     if cfg.lora is not None:
         check_lora_targets_on_config(model_path, cfg.lora.target_modules)
+    lora_files.check_formats(cfg.export.formats, cfg.lora)
     check_guidance(model_path, cfg.sampling.guidance, cfg.sampling.negative_prompt is not None)
     check_rewards(cfg.rewards)
     check_prompt_sets(cfg, model_path)
@@ -217,5 +218,7 @@ def check_inputs(cfg: RecipeConfig, world_size: int) -> Inputs:
         lock.check_free(cfg.output_dir)
     # Structure only: hashing every checkpoint file takes minutes for FLUX.1-dev, a job the recipe's ranks share, and
     # `auto` may move a broken checkpoint aside, which a check must not do.
-    checkpoint.resume_point(cfg, world_size, check=checkpoint.structure)
+    fresh = checkpoint.resume_point(cfg, world_size, check=checkpoint.structure) is None
+    if fresh and cfg.lora is not None and cfg.lora.init_from is not None:  # rank, alpha, targets on the meta model
+        lora_files.check_init_lora_on_config(model_path, family_of(model_path), cfg.lora)
     return Inputs(layout, model_path, family_of(model_path), ds_config)

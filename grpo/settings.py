@@ -53,6 +53,11 @@ class LoraConfig:
     init: str = setting(help="PEFT init_lora_weights, e.g. gaussian")
     target_modules: list[str] = setting(help="transformer module names that get adapters, e.g. [to_q, to_k, to_v, "
                                              "to_out.0]")
+    # free: it sets the adapters of step 0 only; a resumed run's come from its checkpoint
+    init_from: str | None = setting(
+        None, resume=FREE, path=True,
+        help="start from an existing LoRA: a diffusers LoRA file or folder, or a ComfyUI/kohya .safetensors, of the "
+             "same rank, alpha and targets; null = PEFT's init (lora.init)")
 
 
 @dataclass(kw_only=True)
@@ -315,6 +320,13 @@ class FaultsConfig:
 
 
 @dataclass(kw_only=True)
+class ExportConfig:
+    formats: list[str] = setting(["diffusers"], help="the final LoRA's files in final/lora/: diffusers "
+                                                     "(pytorch_lora_weights.safetensors) and/or comfyui "
+                                                     "(comfyui_lora.safetensors, kohya/BFL keys)")
+
+
+@dataclass(kw_only=True)
 class ProfileConfig:
     steps: list[int] = setting([], help="GRPO steps traced with torch.profiler into output_dir/<dir>/, e.g. [2, 3] "
                                         "(after the warm-up step); [] = off")
@@ -351,3 +363,4 @@ class RecipeSettings:
     ema: EMAConfig = setting(resume=FREE, factory=EMAConfig, help="exponential moving average of the weights")
     faults: FaultsConfig = setting(resume=FREE, help="handling of non-finite steps and hung ranks")
     profile: ProfileConfig = setting(resume=FREE, factory=ProfileConfig, help="torch.profiler traces")
+    export: ExportConfig = setting(resume=FREE, factory=ExportConfig, help="the final weights' file formats")

@@ -90,7 +90,7 @@ from grpo import checkpoint as ckpt
 from grpo import device as dev
 from grpo import engine as eng
 from grpo import eval as evals
-from grpo import export, health
+from grpo import export, health, lora_files
 from grpo import lock as out_lock
 from grpo import run_control
 from grpo.best import Best, HeldOut, below_best, definition
@@ -117,13 +117,18 @@ from grpo.step import Chunk, LossSums, StepResult, UpdateStats
 log = logging.getLogger("flux_grpo")
 
 
-def build_policy(transformer: torch.nn.Module, cfg: RecipeConfig, ds_config: dict):
+def build_policy(transformer: torch.nn.Module, cfg: RecipeConfig, ds_config: dict, init_lora=None):
     """The trained transformer in a ZeRO-3 engine: LoRA adapters (or every weight), AdamW, a linear LR warmup.
 
-    Returns (engine, lr_scheduler). The benchmarks build their engines through this function too.
+    `init_lora`: the family whose reader reads lora.init_from into the adapters (a fresh run), or None (a resumed
+    one: its checkpoint holds them). Returns (engine, lr_scheduler). The benchmarks build their engines through this
+    function too.
     """
     if cfg.lora is not None:
         eng.add_lora(transformer, cfg.lora)  # freezes the base
+        if init_lora is not None and cfg.lora.init_from is not None:  # before initialize: the master weights copy it
+            lora_files.load_init_lora(transformer, lora_files.init_lora_state(cfg.lora.init_from, init_lora,
+                                                                              transformer, cfg.lora))
     else:
         transformer.requires_grad_(True)
     enable_checkpointing(transformer, cfg.model.gradient_checkpointing)
@@ -186,7 +191,8 @@ class FluxGRPORecipe:
         self.rewards = build_rewards(cfg.rewards, self.device)
         # resuming a checkpoint of another world size: DeepSpeed loads it as a universal checkpoint (grpo/checkpoint/)
         self.engine, self.scheduler = build_policy(parts.transformer, cfg,
-                                                   ckpt.engine_config(self.ds_config, self.resume_from, self.world))
+                                                   ckpt.engine_config(self.ds_config, self.resume_from, self.world),
+                                                   init_lora=self.family if self.resume_from is None else None)
         self.reference = self._setup_reference()
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -561,7 +567,8 @@ class FluxGRPORecipe:
                 state = eng.lora_state_dict(self.engine)  # rank 0 only, else None
                 with agreed_outside_failure(self.device), writes_under(self.out, f"{what} LoRA"):
                     if state is not None:
-                        export.write_lora(self.family, state, dataclasses.asdict(self.cfg.lora), folder / "lora")
+                        export.write_lora(self.family, state, dataclasses.asdict(self.cfg.lora), folder / "lora",
+                                          self.cfg.export.formats, self.model_path)
             else:
                 with writes_under(self.out, f"{what} transformer"):  # gathers inside: rank 0 may fail alone
                     eng.save_full(self.engine, folder / "transformer")

@@ -97,6 +97,11 @@ NEW_SETTINGS = {
     "sampling.eval_cfg_scale": None,  # new setting: the evals guide as the rollouts do
     "logging.collapse_alarm.sigmas": 3.0,  # new setting: the collapse alarm warns (grpo/best.py), training unchanged
     "logging.collapse_alarm.stop": False,  # ... and never stops the run
+    "export.formats": ["diffusers"],  # new setting: the final LoRA in diffusers' format only, as before
+}
+# The same for the lora section, in the presets that have one.
+NEW_LORA_SETTINGS = {
+    "lora.init_from": None,  # new setting, off: the adapters start from PEFT's init
 }
 # The same for the grpo section, in the presets that have one.
 NEW_GRPO_SETTINGS = {
@@ -156,7 +161,9 @@ def test_every_preset_resolves_to_its_settings_at_a8d41cc_apart_from_the_listed_
         return
     want = _leaves(ORACLE[old])
     grpo = any(k.startswith("grpo.") for k in want)
-    for key, value in {**NEW_SETTINGS, **(NEW_GRPO_SETTINGS if grpo else {})}.items():
+    lora = any(k.startswith("lora.") for k in want)
+    for key, value in {**NEW_SETTINGS, **(NEW_GRPO_SETTINGS if grpo else {}),
+                       **(NEW_LORA_SETTINGS if lora else {})}.items():
         assert key not in want, f"{key} is listed as new but was a setting at a8d41cc"
         want[key] = value
     for key, value in deliberate(preset).items():
@@ -176,7 +183,8 @@ def test_the_default_run_resolves_exactly_as_at_a8d41cc():
     """recipes/configs/tiny/awm_lora.yaml, the README's default run: no deliberate change at all."""
     preset = "recipes/configs/tiny/awm_lora.yaml"
     assert deliberate(preset) == {}
-    _same(_leaves(to_dict(load_config(ROOT / preset))), {**_leaves(ORACLE[preset]), **NEW_SETTINGS})
+    _same(_leaves(to_dict(load_config(ROOT / preset))), {**_leaves(ORACLE[preset]), **NEW_SETTINGS,
+                                                         **NEW_LORA_SETTINGS})
 
 
 @pytest.mark.parametrize("objective", ["grpo", "nft", "awm"])
