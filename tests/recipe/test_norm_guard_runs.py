@@ -3,8 +3,9 @@
 the one fixed_targets computed bit for bit: the hinge is exactly 0 and the logged norm ratio exactly 1. At step 1
 the lagging policy lags (lag_rate 0.3, lr 1e-2): the ratio moves off 1 and the hinge is logged.
 
-    nft  the tiny nft LoRA preset with the guard, 2 steps
-    awm  the tiny awm LoRA preset (its anchor on) with the guard, 2 steps
+    nft   the tiny nft LoRA preset with the guard, 2 steps
+    awm   the tiny awm LoRA preset (its anchor on) with the guard, 2 steps
+    grpo  the tiny grpo LoRA preset with a KL: the drift stats against its reference, 2 steps
     1 vs 2 processes and exact resume of the guarded nft run: -m slow (CI time)
 """
 
@@ -36,6 +37,16 @@ def test_the_first_pass_hinge_is_zero_and_the_ratio_is_logged(tmp, algorithm):
     assert first["norm_guard"] == 0.0 and first["drift/vnorm_ratio"] == 1.0
     assert second["drift/vnorm_ratio"] != 1.0 and second["norm_guard"] >= 0.0
     assert first["drift/vnorm"] > 0 and second["drift/vnorm"] > 0
+
+
+def test_grpo_logs_the_drift_against_its_reference(tmp):
+    """grpo with a KL (a reference loaded: the LoRA policy with its adapters off): at step 0 the policy is the
+    reference (its KL is exactly 0 there), so the ratio is exactly 1; the norm is logged at every step; the first-pass ratio stays exactly 1."""
+    extra = ["grpo.kl_coef=0.01", "sampling.num_steps=4", "optim.lr=1e-2", "max_steps=2", "checkpoint.every=0"]
+    first, second = _run(tmp, "grpo", "recipes/configs/tiny/grpo_lora.yaml", 2, extra)["rows"]
+    assert first["drift/vnorm_ratio"] == 1.0 and second["drift/vnorm_ratio"] != 1.0
+    assert first["drift/vnorm"] > 0 and second["drift/vnorm"] > 0
+    assert first["ratio_max_dev"] == second["ratio_max_dev"] == 0.0
 
 
 @pytest.mark.slow  # CI time: ZeRO-3's gradient all-reduce and the lagging policy's checkpoint, as nft's own runs
