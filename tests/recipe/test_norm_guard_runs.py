@@ -41,7 +41,8 @@ def test_the_first_pass_hinge_is_zero_and_the_ratio_is_logged(tmp, algorithm):
 
 def test_grpo_logs_the_drift_against_its_reference(tmp):
     """grpo with a KL (a reference loaded: the LoRA policy with its adapters off): at step 0 the policy is the
-    reference (its KL is exactly 0 there), so the ratio is exactly 1; the norm is logged at every step; the first-pass ratio stays exactly 1."""
+    reference (its KL is exactly 0 there), so the ratio is exactly 1; the norm is logged at every step; the first-pass
+    ratio stays exactly 1."""
     extra = ["grpo.kl_coef=0.01", "sampling.num_steps=4", "optim.lr=1e-2", "max_steps=2", "checkpoint.every=0"]
     first, second = _run(tmp, "grpo", "recipes/configs/tiny/grpo_lora.yaml", 2, extra)["rows"]
     assert first["drift/vnorm_ratio"] == 1.0 and second["drift/vnorm_ratio"] != 1.0
