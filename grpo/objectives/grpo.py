@@ -175,9 +175,10 @@ class GRPO(Objective):
             return
         with models.inference(reference=True) as model:
             for c in chunks:
-                outs = {j: models.sampler.transition(model, c.cond, c.traj.latents, j) for j in c.trained}
-                c.reference = {j: out.mean for j, out in outs.items()}
-                c.reference_vnorm = {j: velocity_norm(out.velocity) for j, out in outs.items()}
+                c.reference, c.reference_vnorm = {}, {}
+                for j in c.trained:  # one transition's velocity alive at a time: only its [B] norms are kept
+                    out = models.sampler.transition(model, c.cond, c.traj.latents, j)
+                    c.reference[j], c.reference_vnorm[j] = out.mean, velocity_norm(out.velocity)
 
     def loss(self, models: Models, c: Chunk, j: int, adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """The clipped ratio of transition j's log-prob under the policy and at rollout, + the Gaussian KL; and the
