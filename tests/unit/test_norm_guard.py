@@ -251,3 +251,18 @@ def test_grpo_logs_the_norm_and_with_a_reference_its_ratio():
 def test_grpo_without_a_reference_logs_the_norm_alone():
     stats, _, _ = _grpo(0.0)
     assert "drift/vnorm" in stats and "drift/vnorm_ratio" not in stats
+
+
+def test_a_checkpoint_from_before_the_guard_resumes_only_with_it_off():
+    """norm_guard is a section, null = off: a run saved before it existed resumes with it off; turning it on (or
+    changing it) on resume is refused, as any setting that changes the training."""
+    from grpo.compat import config_differences
+    from grpo.config import to_dict
+
+    preset = TINY_PRESETS / "nft_lora.yaml"
+    before = to_dict(load_config(preset))
+    del before["nft"]["norm_guard"]
+    assert config_differences(before, to_dict(load_config(preset))) == []
+    on = to_dict(load_config(preset, _on("nft", GUARD)))
+    assert config_differences(before, on) and config_differences(to_dict(load_config(preset)), on)
+    assert config_differences(on, to_dict(load_config(preset, ["nft.norm_guard.weight=0.1"])))
