@@ -10,11 +10,13 @@ nothing that matters at these magnitudes (tests/unit/test_matching.py compares a
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from grpo.sde import _bcast
 
-__all__ = ["awm_loss", "decay", "forward_noise", "nft_loss", "optimality_weight", "velocity_mse"]
+__all__ = ["awm_loss", "decay", "forward_noise", "nft_loss", "norm_guard", "optimality_weight", "velocity_mse",
+           "velocity_norm", "drift_stats"]
 
 
 def _mean_d(x: Tensor) -> Tensor:
@@ -104,6 +106,39 @@ def velocity_mse(v_a: Tensor, v_b: Tensor) -> Tensor:
     """mean_D (v_a - v_b)² per sample ([B]): the KL-to-reference and EMA-anchor terms of NFT and AWM ("uniform"
     weighting, no 1/(2σ²))."""
     return _mean_d((v_a.float() - v_b.float().detach()) ** 2)
+
+
+def velocity_norm(v: Tensor) -> Tensor:
+    """[B] the per-sample L2 norm of a velocity over all its non-batch elements (one sample at one step), float32."""
+    return v.float().flatten(1).norm(dim=1)
+
+
+def drift_stats(v: Tensor, ref_norm: Tensor | None) -> dict[str, Tensor]:
+    """The velocity's drift, logged by every objective from the forwards it makes anyway (detached scalars):
+    drift/vnorm = mean_B ||v|| / sqrt(D) (its RMS, comparable across steps and resolutions) and, given the [B] norms
+    of a comparison velocity at the same inputs, drift/vnorm_ratio = mean_B ||v|| / ||v_ref||: NormGuard's signature
+    of drift (arXiv 2606.27771: NFT, AWM and DPO raise it 5-15% over the reference's)."""
+    norm = velocity_norm(v.detach())
+    stats = {"drift/vnorm": norm.mean() / v[0].numel() ** 0.5}
+    if ref_norm is not None:
+        stats["drift/vnorm_ratio"] = (norm / ref_norm.detach().float()).mean()
+    return stats
+
+
+def norm_guard(v_theta: Tensor, v_ref: Tensor, margin: float) -> Tensor:
+    """[B] NormGuard's one-sided hinge on the velocity's norm, relative to the reference's:
+    h = max(0, ||v_θ|| / ||v_ref|| - (1 + margin)), ||·|| the L2 norm over one sample's elements at one step.
+
+    Paper: arXiv 2606.27771 (NormGuard; no official code found): "a hinge penalty that activates only when ||v_θ||
+    exceeds ||v_ref||, added to any velocity-local base loss". Our reading (docs/strategies.md, "NormGuard"): per
+    sample and step, linear hinge (max(0, ·), constant pull once active), relative to the reference's norm (the
+    margin is a share, as the paper reports its 5-15%, and the weight means the same at every noise level, whose
+    velocity norms differ), v_ref a constant (no gradient). Below the threshold it is 0 with a zero gradient; above,
+    its gradient is v_θ / (||v_θ||·||v_ref||): descent shrinks v_θ along itself, its direction untouched. With
+    v_θ == v_ref bit for bit (the first pass) it is exactly 0 for any margin >= 0, gradient included.
+    """
+    ratio = velocity_norm(v_theta) / velocity_norm(v_ref.detach())
+    return torch.relu(ratio - (1.0 + margin))
 
 
 def decay(k: int, rate: float, max_decay: float, start: int = 0) -> float:

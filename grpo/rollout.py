@@ -178,10 +178,13 @@ def transition(velocity: Velocity, cond: Conditioning, traj_latents: torch.Tenso
         x = traj_latents[heads, i]
         v = velocity(x, timestep(sigmas, i, len(heads)).to(x.device), cond.select(heads))
         children = tree.heads(b, i + 1).to(x.device)
-        return tree_step(x, v, sigmas, i, sde, tree, b, prev_sample=traj_latents[children, i + 1])
-    x, x_next = traj_latents[:, i], traj_latents[:, i + 1]
-    v = velocity(x, timestep(sigmas, i, x.shape[0]).to(x.device), cond)
-    return sde.step(x, v, sigmas, i, prev_sample=x_next)
+        out = tree_step(x, v, sigmas, i, sde, tree, b, prev_sample=traj_latents[children, i + 1])
+    else:
+        x, x_next = traj_latents[:, i], traj_latents[:, i + 1]
+        v = velocity(x, timestep(sigmas, i, x.shape[0]).to(x.device), cond)
+        out = sde.step(x, v, sigmas, i, prev_sample=x_next)
+    out.velocity = v  # its norm is logged (drift/vnorm): no forward of its own
+    return out
 
 
 def schedule(s: SamplingConfig, family: ModelFamily, latent_size: int, scheduler_config: dict) -> torch.Tensor:

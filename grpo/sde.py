@@ -115,12 +115,15 @@ class StepOut:
         std: float32 std, 0-d or [B] (the shape of sigma); 0 for an ODE step.
         log_prob: [B] float32 element-mean log-density of prev_sample, or None for an ODE step; for kind "cps" the
             unnormalised -mean_D (prev_sample - mean)² that Flow-GRPO uses instead.
+        velocity: the velocity the step was taken with, where the caller keeps it (grpo.rollout.transition: one row
+            per sample, or per node with a tree), else None.
     """
 
     prev_sample: Tensor
     mean: Tensor
     std: Tensor
     log_prob: Tensor | None
+    velocity: Tensor | None = None
 
 
 def sde_step(

@@ -52,6 +52,7 @@ class Chunk:
     # Constants of the update, keyed by trained index, computed without gradients before it:
     reference: dict[int, torch.Tensor] = field(default_factory=dict)  # GRPO: reference SDE mean; nft/awm: v_ref
     lagging: dict[int, torch.Tensor] = field(default_factory=dict)  # nft/awm: the lagging policy's velocity
+    reference_vnorm: dict[int, torch.Tensor] = field(default_factory=dict)  # GRPO: ||v_ref|| per row (drift/*)
     noised: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # nft/awm: (x_t, eps)
     # A chunk of an objective's extra update block (e.g. grpo's replay, grpo/replay.py): [B] importance weights of
     # its policy loss, and its own advantages; an on-policy chunk: 1 and None (the step's advantages)

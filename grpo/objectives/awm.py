@@ -58,15 +58,17 @@ class AWM(ForwardProcess):
     @property
     def needs_lagging_velocity(self) -> bool:
         # as the source (`if config.train.ema_beta > 0`), no anchor means no forward of the lagging policy; its
-        # copy is still kept up to date, as the source updates its EMA adapter whatever beta_EMA
-        return self.settings.anchor_coef > 0
+        # copy is still kept up to date, as the source updates its EMA adapter whatever beta_EMA. NormGuard without a
+        # reference compares with the lagging policy's velocity, so it needs that forward too.
+        m = self.settings
+        return m.anchor_coef > 0 or (m.norm_guard is not None and self.kl_coef == 0)
 
     def loss(self, models: Models, c: Chunk, j: int, adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """AWM at schedule point j: flow matching weighted by the advantage (scaled to +-1), + the anchor term."""
         eps, m = c.noised[j][1], self.settings
         v = self.velocity(models, models.engine, c, j)
         loss, st = awm_loss(v, c.traj.x0, eps, self.sigma(models, c, j), adv / self.cfg.advantage.clip, m.huber_p)
-        if self.needs_lagging_velocity:
+        if m.anchor_coef > 0:
             anchor = velocity_mse(v, c.lagging[j]).mean()
             loss, st = loss + m.anchor_coef * anchor, {**st, "anchor": anchor.detach()}
-        return self.plus_kl(loss, st, v, c, j)
+        return self.plus_regularizers(loss, st, v, c, j)

@@ -11,7 +11,7 @@ import torch
 
 from grpo.data import drawable_points, matching_noise
 from grpo.errors import ConfigError
-from grpo.matching import decay, forward_noise, velocity_mse
+from grpo.matching import decay, drift_stats, forward_noise, norm_guard, velocity_mse, velocity_norm
 from grpo.objectives.base import Models, Objective, PlanTerms
 from grpo.schema import setting
 
@@ -19,6 +19,13 @@ if TYPE_CHECKING:
     # RecipeConfig (grpo/config.py) is these settings plus the objectives' sections; it sits above the registry
     from grpo.settings import RecipeSettings as RecipeConfig
     from grpo.step import Chunk
+
+
+@dataclass(kw_only=True)
+class NormGuardSettings:
+    weight: float = setting(help="weight of the mean hinge max(0, ||v|| / ||v_ref|| - 1 - margin) added to the loss "
+                                 "(arXiv 2606.27771's NormGuard, docs/strategies.md)")
+    margin: float = setting(0.0, help="share by which ||v|| may exceed ||v_ref|| before the hinge acts (0: at once)")
 
 
 @dataclass(kw_only=True)
@@ -36,6 +43,10 @@ class ForwardProcessSettings:
     group_noise: bool = setting(False, help="true: a group's images share their forward-process noise at a point "
                                             "(common random numbers: the same expected update, less noise in it); "
                                             "false: one noise per image (DiffusionNFT, AWM)")
+    norm_guard: NormGuardSettings | None = setting(None, help="NormGuard: a hinge on the policy's velocity norm "
+                                                             "above the reference's (kl_coef > 0), else the lagging "
+                                                             "policy's, per image and noise level, e.g. {weight: "
+                                                             "0.1, margin: 0.0}; null = off")
 
 
 class ForwardProcess(Objective):
@@ -60,6 +71,10 @@ class ForwardProcess(Objective):
                               ">= 0 (DiffusionNFT: 0.001, 0.5, 0)")
         if m.kl_coef < 0:
             raise ConfigError(f"{key}.kl_coef: {m.kl_coef} is negative; use 0 (no reference) or e.g. 1e-4")
+        g = m.norm_guard
+        if g is not None and not (g.weight > 0 and g.margin >= 0):
+            raise ConfigError(f"{key}.norm_guard: weight {g.weight} must be > 0 and margin {g.margin} >= 0 (a "
+                              "negative margin would act on the first, unmoved pass); null turns it off")
 
     @classmethod
     def point_draw_of(cls, settings) -> str:
@@ -122,9 +137,26 @@ class ForwardProcess(Objective):
         x_t = c.noised[j][0]
         return models.sampler.sigmas[j].expand(len(c.ids)).to(x_t.device)
 
-    def plus_kl(self, loss: torch.Tensor, st: dict, v: torch.Tensor, c: Chunk, j: int) -> tuple[torch.Tensor, dict]:
-        """`loss` + kl_coef · mean (v - v_ref)^2 at point j (c.reference was filled by fixed_targets)."""
-        if self.kl_coef == 0:
-            return loss, st
-        kl = velocity_mse(v, c.reference[j]).mean()
-        return loss + self.kl_coef * kl, {**st, "kl": kl.detach()}
+    def plus_regularizers(self, loss: torch.Tensor, st: dict, v: torch.Tensor, c: Chunk,
+                          j: int) -> tuple[torch.Tensor, dict]:
+        """`loss` + kl_coef · mean (v - v_ref)^2 + NormGuard's weight · mean hinge at point j, and the drift stats
+        (c.reference, c.lagging were filled by fixed_targets)."""
+        if self.kl_coef > 0:
+            kl = velocity_mse(v, c.reference[j]).mean()
+            loss, st = loss + self.kl_coef * kl, {**st, "kl": kl.detach()}
+        target = self.norm_target(c, j)
+        st = {**st, **drift_stats(v, None if target is None else velocity_norm(target))}
+        g = self.settings.norm_guard
+        if g is not None:
+            hinge = norm_guard(v, target, g.margin).mean()
+            loss, st = loss + g.weight * hinge, {**st, "norm_guard": hinge.detach()}
+        return loss, st
+
+    def norm_target(self, c: Chunk, j: int) -> torch.Tensor | None:
+        """The velocity the norm is compared with at point j, one already computed (no forward of its own): the
+        reference's where it is loaded (kl_coef > 0; what NormGuard compares with), else the lagging policy's (nft's
+        old policy, awm's anchor; it lags the policy, so it bounds the inflation per stretch of steps, not in all);
+        None where neither was computed (awm without anchor, KL or guard)."""
+        if self.kl_coef > 0:
+            return c.reference[j]
+        return c.lagging.get(j)

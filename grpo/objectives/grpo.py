@@ -21,6 +21,7 @@ import torch
 from grpo import health, replay
 from grpo.errors import ConfigError
 from grpo.loss import RatioNorm, TrustRegion, grpo_loss
+from grpo.matching import drift_stats, velocity_norm
 from grpo.objectives.base import ExtraBlocks, Models, Objective, PlanTerms
 from grpo.replay import Replay, ReplaySettings
 from grpo.schema import setting
@@ -169,17 +170,25 @@ class GRPO(Objective):
 
     @torch.no_grad()
     def fixed_targets(self, models: Models, chunks: list[Chunk], step: int) -> None:
-        """The reference policy's SDE means of the trained transitions (kl_coef > 0)."""
+        """The reference policy's SDE means of the trained transitions (kl_coef > 0), and its velocity's norms."""
         if self.kl_coef == 0:
             return
         with models.inference(reference=True) as model:
             for c in chunks:
-                c.reference = {j: models.sampler.transition(model, c.cond, c.traj.latents, j).mean for j in c.trained}
+                c.reference, c.reference_vnorm = {}, {}
+                for j in c.trained:  # one transition's velocity alive at a time: only its [B] norms are kept
+                    out = models.sampler.transition(model, c.cond, c.traj.latents, j)
+                    c.reference[j], c.reference_vnorm[j] = out.mean, velocity_norm(out.velocity)
 
     def loss(self, models: Models, c: Chunk, j: int, adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """The clipped ratio of transition j's log-prob under the policy and at rollout, + the Gaussian KL."""
+        """The clipped ratio of transition j's log-prob under the policy and at rollout, + the Gaussian KL; and the
+        velocity's drift (drift/vnorm, with a reference drift/vnorm_ratio), from the forwards the loss makes."""
+        out = models.sampler.transition(models.engine, c.cond, c.traj.latents, j)
+        loss, st = self._loss(models, out, c, j, adv)
+        return loss, {**st, **drift_stats(out.velocity, c.reference_vnorm[j] if self.kl_coef > 0 else None)}
+
+    def _loss(self, models: Models, out, c: Chunk, j: int, adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
         g, sampler = self.settings, models.sampler
-        out = sampler.transition(models.engine, c.cond, c.traj.latents, j)
         kl = kl_same_std(out.mean, c.reference[j], out.std) if g.kl_coef > 0 else None
         tree = sampler.tree
         if tree is None:

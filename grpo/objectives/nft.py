@@ -46,4 +46,4 @@ class NFT(ForwardProcess):
         v = self.velocity(models, models.engine, c, j)
         loss, st = nft_loss(v, c.lagging[j], x_t, c.traj.x0, self.sigma(models, c, j), optimality_weight(adv, clip),
                             self.settings.beta, clip)
-        return self.plus_kl(loss, st, v, c, j)
+        return self.plus_regularizers(loss, st, v, c, j)

@@ -107,6 +107,10 @@ NEW_LORA_SETTINGS = {
 NEW_GRPO_SETTINGS = {
     "grpo.trust_region": None,  # new setting, off: Flow-DPPO's KL mask (the ratio clip stays)
 }
+# The same for the forward-process objectives' sections (nft, awm), in the presets that have one.
+NEW_FORWARD_SETTINGS = {
+    "norm_guard": None,  # new setting, off: NormGuard's hinge on the velocity norm
+}
 
 
 def deliberate(preset: str) -> dict[str, object]:
@@ -162,8 +166,10 @@ def test_every_preset_resolves_to_its_settings_at_a8d41cc_apart_from_the_listed_
     want = _leaves(ORACLE[old])
     grpo = any(k.startswith("grpo.") for k in want)
     lora = any(k.startswith("lora.") for k in want)
+    forward = {f"{o}.{k}": v for o in ("nft", "awm") if any(w.startswith(f"{o}.") for w in want)
+               for k, v in NEW_FORWARD_SETTINGS.items()}
     for key, value in {**NEW_SETTINGS, **(NEW_GRPO_SETTINGS if grpo else {}),
-                       **(NEW_LORA_SETTINGS if lora else {})}.items():
+                       **(NEW_LORA_SETTINGS if lora else {}), **forward}.items():
         assert key not in want, f"{key} is listed as new but was a setting at a8d41cc"
         want[key] = value
     for key, value in deliberate(preset).items():
@@ -184,7 +190,8 @@ def test_the_default_run_resolves_exactly_as_at_a8d41cc():
     preset = "recipes/configs/tiny/awm_lora.yaml"
     assert deliberate(preset) == {}
     _same(_leaves(to_dict(load_config(ROOT / preset))), {**_leaves(ORACLE[preset]), **NEW_SETTINGS,
-                                                         **NEW_LORA_SETTINGS})
+                                                         **NEW_LORA_SETTINGS,
+                                                         **{f"awm.{k}": v for k, v in NEW_FORWARD_SETTINGS.items()}})
 
 
 @pytest.mark.parametrize("objective", ["grpo", "nft", "awm"])

@@ -69,6 +69,9 @@ def test_recomputed_log_prob_equals_rollout_log_prob_exactly(inputs):
     for j in range(STEPS - 1):
         out = transition(FLUX1.velocity_of(parts.transformer), cond, traj.latents, sigmas, j, sde)
         assert torch.equal(out.log_prob, traj.log_probs[:, j])
+        # the velocity it stepped with comes back with it (grpo's drift stats), the one that makes this log-prob
+        assert torch.equal(sde.step(traj.latents[:, j], out.velocity, sigmas, j,
+                                    prev_sample=traj.latents[:, j + 1]).log_prob, out.log_prob)
 
 
 def _gens(n: int) -> list[torch.Generator]:

@@ -127,6 +127,7 @@ def test_tree_update_recomputes_the_rollout_log_prob_exactly(tiny):
         edges = TREE.heads(8, j + 1)
         assert out.log_prob.shape == (len(edges),)
         assert torch.equal(out.log_prob, traj.log_probs[edges, j])
+        assert out.velocity.shape[0] == len(TREE.heads(8, j))  # one velocity per node at depth j (drift stats)
 
 
 @pytest.mark.parametrize("overrides, needle", [
