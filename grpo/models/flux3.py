@@ -41,8 +41,8 @@ def _steps():
     from diffusers.modular_pipelines.flux3 import before_denoise, decoders, encoders
 
     return dict(text=encoders.Flux3TextEncoderStep(), latents=before_denoise.Flux3PrepareLatentsStep(),
-                timesteps=before_denoise.Flux3SetTimestepsStep(), decode=decoders.Flux3DecodeStep(),
-                image_ids=before_denoise._prepare_image_ids, text_ids=before_denoise.Flux3TextRoPEInputsStep)
+                decode=decoders.Flux3DecodeStep(), image_ids=before_denoise._prepare_image_ids,
+                text_ids=before_denoise.Flux3TextRoPEInputsStep)
 
 
 class Flux3(ModelFamily):
