@@ -2,7 +2,8 @@
 with true CFG 4 (the base FLUX.3 samples with its guider), 2 steps on 2 processes (8 images a step, 4 steps a
 trajectory), a checkpoint every step: the first-pass ratio is exactly 1, and the LoRA loads into Flux3ModularPipeline
 and changes its image. With -m slow, the same run on 1 process and resumed from its step-1 checkpoint (as
-tests/recipe/test_flux2_runs.py's chains). The other objectives on FLUX.3 are not tested yet (docs/flux3.md)."""
+tests/recipe/test_flux2_runs.py's chains), and DiffusionNFT + LoRA, 2 steps on 2 processes. AWM and the SDE windows on
+FLUX.3 are not tested yet (docs/flux3.md)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,10 @@ def test_one_and_two_processes_train_flux3_the_same(chain):
 @pytest.mark.slow
 def test_a_resumed_flux3_run_ends_where_the_uninterrupted_one_does(chain):
     assert_resumed_step_exact(chain["two"], chain["resumed"])
+
+
+@pytest.mark.slow
+def test_diffusion_nft_trains_flux3(run):
+    out = run("nft", "recipes/configs/tiny_flux3/nft_lora.yaml", 2, ["max_steps=2", "checkpoint.every=0"])
+    assert [r["step"] for r in out["rows"]] == [0, 1]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in out["rows"])

@@ -59,6 +59,7 @@ MOVED = {
 NEW = ["recipes/configs/experimental/flux2_klein_awm_lora.yaml", "recipes/configs/flux2_dev/nft_lora.yaml",
        "recipes/configs/flux2_dev/awm_lora.yaml", "recipes/configs/flux1_kontext_dev/awm_lora.yaml",
        "recipes/configs/tiny_flux2/awm_lora.yaml", "recipes/configs/tiny_flux3/grpo_lora.yaml",
+       "recipes/configs/tiny_flux3/nft_lora.yaml",
        *(f"recipes/configs/flux2_klein_base/{name}.yaml" for name in
          ("grpo_lora", "grpo_full", "nft_lora", "nft_full", "awm_lora", "awm_full", "grpo_lora_9b", "nft_lora_9b",
           "awm_lora_9b"))]
