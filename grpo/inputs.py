@@ -20,7 +20,7 @@ from grpo import checkpoint, lock, lora_files, metrics, prompts
 from grpo.config import RecipeConfig
 from grpo.layout import Layout, derive_layout
 from grpo.errors import ConfigError
-from grpo.models import ModelFamily, family_of
+from grpo.models import ModelFamily, family_of, index_file
 from grpo.rewards import check_reward_metadata, check_rewards
 
 
@@ -38,9 +38,10 @@ def resolve_model_path(path: str, revision: str | None = None) -> str:
     Hub ids resolve through the local Hugging Face cache; with HF_HUB_OFFLINE=1 nothing is downloaded.
     """
     if Path(path).is_dir():
-        if not (Path(path) / "model_index.json").is_file():
+        if not index_file(path).is_file():
             raise ConfigError(
-                f"model.path: {path} has no model_index.json; point it at a diffusers FLUX folder "
+                f"model.path: {path} has no model_index.json (nor modular_model_index.json); point it at a diffusers "
+                "FLUX folder "
                 "(e.g. assets/tiny-flux or a downloaded black-forest-labs/FLUX.1-dev)"
             )
         family_of(path)  # a pipeline of no supported family is refused here, before any weight is read
@@ -122,13 +123,15 @@ def _guidance_embeds(model_path: str) -> bool:
     import inspect
 
     cls = family_of(model_path).transformer_class()
-    default = inspect.signature(cls.__init__).parameters["guidance_embeds"].default  # a config.json may omit it
+    # A config.json may omit it; a class without the argument (FLUX.3) has no guidance embedding.
+    param = inspect.signature(cls.__init__).parameters.get("guidance_embeds")
+    default = param is not None and param.default
     return bool(cls.load_config(Path(model_path) / "transformer").get("guidance_embeds", default))
 
 
 def _step_distilled(model_path: str) -> bool:
     """model_index.json's is_distilled: the step-distilled FLUX.2 [klein] (true), not klein base (false)."""
-    index = Path(model_path) / "model_index.json"
+    index = index_file(model_path)
     return index.is_file() and bool(json.loads(index.read_text()).get("is_distilled", False))
 
 

@@ -225,7 +225,7 @@ class FluxSampler:
         family, config = parts.family, parts.transformer.config
         latent_size = parts.latent_size(s.resolution)
         return cls(family, vae, parts.vae_scale_factor, latent_size, family.latent_channels(config),
-                   bool(config.guidance_embeds), schedule(s, family, latent_size, parts.scheduler_config),
+                   bool(config.get("guidance_embeds", False)), schedule(s, family, latent_size, parts.scheduler_config),
                    SDEParams(s.eta, s.sde), s, seed, device, dtype, parts.scheduler_config)
 
     def with_steps(self, steps: int) -> "FluxSampler":

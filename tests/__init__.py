@@ -9,6 +9,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = Path(os.environ.get("GRPO_TINY_MODEL", ROOT / "assets" / "tiny-flux"))
 # the FLUX.2 [klein] tiny world (python -m maintainer.tiny_worlds --family flux2)
 TINY_FLUX2 = ROOT / "assets" / "tiny-flux2"
+# the FLUX.3 tiny world, a Flux3ModularPipeline folder (python -m maintainer.tiny_worlds --family flux3)
+TINY_FLUX3 = Path(os.environ.get("GRPO_TINY_FLUX3", ROOT / "assets" / "tiny-flux3"))
 # assets/tiny-flux under FluxKontextPipeline (python -m maintainer.tiny_worlds --family flux1-kontext)
 TINY_KONTEXT = ROOT / "assets" / "tiny-flux-kontext"
 EDITS = ROOT / "assets" / "prompts" / "tiny_edit_train.jsonl"  # its edit set (python -m maintainer.tiny_worlds.prompts)

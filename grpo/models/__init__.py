@@ -13,20 +13,22 @@ import json
 from pathlib import Path
 
 from grpo.errors import ConfigError
-from grpo.models.base import Conditioning, ModelFamily, Parts
+from grpo.models.base import Conditioning, ModelFamily, Parts, index_file
 from grpo.models.flux1 import FLUX1, FLUX1_KONTEXT
 from grpo.models.flux2 import FLUX2_DEV, FLUX2_KLEIN
+from grpo.models.flux3 import FLUX3
 
 __all__ = ["FAMILIES", "Conditioning", "ModelFamily", "Parts", "family_of", "family_of_pipeline",
-           "family_of_transformer", "pipeline_of"]
+           "family_of_transformer", "index_file", "pipeline_of"]
 
-FAMILIES: tuple[ModelFamily, ...] = (FLUX1, FLUX1_KONTEXT, FLUX2_KLEIN, FLUX2_DEV)
+FAMILIES: tuple[ModelFamily, ...] = (FLUX1, FLUX1_KONTEXT, FLUX2_KLEIN, FLUX2_DEV, FLUX3)
 _BY_PIPELINE = {name: f for f in FAMILIES for name in f.pipelines}
 
 
 def pipeline_of(model_path: str | Path) -> str:
-    """The ``_class_name`` of `model_path`'s model_index.json (the diffusers pipeline the folder was saved by)."""
-    index = Path(model_path) / "model_index.json"
+    """The ``_class_name`` of `model_path`'s model_index.json or modular_model_index.json (the diffusers pipeline the
+    folder was saved by)."""
+    index = index_file(model_path)
     try:
         return str(json.loads(index.read_text())["_class_name"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -47,7 +49,9 @@ def family_of_transformer(config: dict) -> ModelFamily:
 
 def family_of(model_path: str | Path) -> ModelFamily:
     """The family that trains the pipeline saved at `model_path`; a one-line ConfigError for any other pipeline."""
-    return family_of_pipeline(pipeline_of(model_path), model_path)
+    family = family_of_pipeline(pipeline_of(model_path), model_path)
+    family.check_folder(str(model_path))
+    return family
 
 
 def family_of_pipeline(name: str, model_path: str | Path) -> ModelFamily:

@@ -101,6 +101,16 @@ def describe_encoder(folder: str, encoder: torch.nn.Module, device: torch.device
     return f"{folder} ({type(encoder).__name__}): {count:,} parameters, {encoder.dtype}, {placement}"
 
 
+INDEX_FILES = ("model_index.json", "modular_model_index.json")  # a DiffusionPipeline's save, a ModularPipeline's
+
+
+def index_file(model_path: str | Path) -> Path:
+    """The pipeline index of a diffusers folder: model_index.json, or a modular pipeline's modular_model_index.json
+    (FLUX.3 has only a modular pipeline); the first name when neither is there."""
+    found = [Path(model_path) / n for n in INDEX_FILES if (Path(model_path) / n).is_file()]
+    return (found or [Path(model_path) / INDEX_FILES[0]])[0]
+
+
 def _diffusers(name: str) -> type:
     import diffusers
 
@@ -166,21 +176,29 @@ class ModelFamily:
         `transformer_loader(path, dtype)`: from_pretrained by default; grpo.loading.transformer_loader gives the
         sharded (zero.Init) one.
         """
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
         transformer = (transformer_loader or self.load_transformer)(path, transformer_dtype)
         vae = self.vae_class().from_pretrained(path, subfolder="vae", dtype=vae_dtype)
         vae.requires_grad_(False).eval()
-        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
+        scheduler = self.scheduler(path)
         vsf = 2 ** (len(vae.config.block_out_channels) - 1)
         return Parts(self, transformer, vae, dict(scheduler.config), vsf)
+
+    def scheduler(self, path: str):
+        """The scheduler the family's pipeline samples with (its scheduler/ folder)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
+
+    def check_folder(self, model_path: str) -> None:
+        """A one-line ConfigError for a folder of this family that the trainer cannot train (read from its configs,
+        before any weight); none by default."""
 
     # -- prompts ------------------------------------------------------------------------------------------------
     def load_text_encoder(self, model_path: str, folder: str, dtype: torch.dtype,
                           placement: Placement) -> torch.nn.Module:
         """The text encoder in `folder` (the transformers class model_index.json names for it), its layers placed by
         transformers' big-model loading (accelerate's infer_auto_device_map and dispatch hooks)."""
-        library, name = json.loads((Path(model_path) / "model_index.json").read_text())[folder]
+        library, name = json.loads(index_file(model_path).read_text())[folder][:2]  # modular: [lib, name, spec]
         cls = getattr(importlib.import_module(library), name)
         return cls.from_pretrained(model_path, subfolder=folder, dtype=dtype, device_map=placement.device_map,
                                    max_memory=placement.max_memory, offload_folder=placement.offload_folder)
@@ -193,7 +211,7 @@ class ModelFamily:
         text encoders are loaded in `dtype`, on `device` (or spread as `placement` says), and freed after."""
         placed = {folder: self.load_text_encoder(model_path, folder, dtype, placement)
                   for folder in self.text_folders} if placement else {}
-        pipe = self.pipeline_class().from_pretrained(model_path, transformer=None, vae=None, dtype=dtype, **placed)
+        pipe = self.text_pipeline(model_path, dtype, placed)
         for folder in self.text_folders:
             encoder = getattr(pipe, folder)
             if folder not in placed:  # a dispatched model must not be moved: its hooks own the placement
@@ -204,6 +222,10 @@ class ModelFamily:
         del pipe, placed
         gc.collect()  # accelerate's dispatch hooks tie each placed module to itself: only the collector frees them
         return {k: torch.cat([c[k].float().cpu() for c in chunks]) for k in self.embed_keys}
+
+    def text_pipeline(self, model_path: str, dtype: torch.dtype, placed: dict):
+        """The family's pipeline with its text encoders only (those of `placed` as given)."""
+        return self.pipeline_class().from_pretrained(model_path, transformer=None, vae=None, dtype=dtype, **placed)
 
     def encode_chunk(self, pipe, prompts: list[str], max_sequence_length: int,
                      device: torch.device) -> dict[str, torch.Tensor]:
@@ -344,5 +366,8 @@ class ModelFamily:
     # -- blocks: ZeRO-3 fetching, checkpointing, compilation --------------------------------------------------
     @staticmethod
     def blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
-        """The repeated blocks in execution order: double-stream blocks, then single-stream blocks."""
-        return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+        """The repeated blocks, as diffusers names their classes (`_repeated_blocks`, what compile_repeated_blocks
+        compiles), in module order: FLUX.1/FLUX.2's double-stream blocks then single-stream blocks; FLUX.3's per-mode
+        blocks (image, reference image, text) then its joint single blocks."""
+        names = set(transformer._repeated_blocks)
+        return [m for m in transformer.modules() if type(m).__name__ in names]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from maintainer.tiny_worlds import flux1, flux2
+from maintainer.tiny_worlds import flux1, flux2, flux3
 from maintainer.tiny_worlds.build import UNTRAINED, build
 from maintainer.tiny_worlds.kontext import SOURCE, build_kontext
 
@@ -20,11 +20,12 @@ PROG = "python -m maintainer.tiny_worlds"
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog=PROG, description="Build a tiny world's model folder, fully offline.")
     p.add_argument("--out", type=Path, required=True, help="output folder (diffusers layout of the family's pipeline)")
-    p.add_argument("--family", choices=("flux1", "flux2", "flux2-dev", "flux1-kontext"), default="flux1",
+    p.add_argument("--family", choices=("flux1", "flux2", "flux2-dev", "flux1-kontext", "flux3"), default="flux1",
                    help="flux1: FluxPipeline (default); flux2: Flux2KleinPipeline; flux2-dev: Flux2Pipeline, untrained "
                         "only (maintainer/tiny_worlds/flux2.py); flux1-kontext: the --init-from FLUX.1 build as a "
                         "FluxKontextPipeline folder, its transformer trained to edit with --transformer-steps "
-                        "(maintainer/tiny_worlds/kontext.py)")
+                        "(maintainer/tiny_worlds/kontext.py); flux3: a Flux3ModularPipeline folder with the tiny "
+                        "FLUX.2 VAE (maintainer/tiny_worlds/flux3.py)")
     p.add_argument("--copy", action="store_true", help="flux1-kontext: copy the components instead of linking them")
     p.add_argument("--untrained", action="store_true",
                    help="no training and no evaluation, in seconds (build.UNTRAINED)")
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="an earlier build to continue (transformer, and the decoder with --decoder-steps)")
     # One thread by default: on a shared 2-core machine two OpenMP threads per process ran ~8x slower per step.
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (results depend on it bit-wise)")
-    klein_only = p.add_argument_group("flux2 only")
+    klein_only = p.add_argument_group("flux2 and flux3")
     klein_only.add_argument("--cfg-dropout", type=float, default=None,
                        help="share of training prompts replaced by the empty prompt, which CFG's negative prompt is "
                             "(default 0.1)")
@@ -74,6 +75,20 @@ def main(argv: list[str] | None = None) -> None:
                             shift=args.shift, images_per_prompt=args.images_per_prompt, seed=args.seed,
                             eval_steps=args.eval_steps, eval_seeds=args.eval_seeds))
         return
+    if args.family == "flux3":
+        given = {a for a in vars(args) if getattr(args, a) != p.get_default(a)}
+        other = sorted(given - {"family", "out", "threads", "transformer_steps", "transformer_batch", "transformer_lr",
+                                "shift", "images_per_prompt", "seed", "eval_steps", "eval_seeds", "layers",
+                                "single_layers", "cfg_dropout"})
+        if other:
+            raise SystemExit(f"--{other[0].replace('_', '-')}: --family flux3 reuses the tiny FLUX.2 VAE and trains "
+                             "the transformer only; drop it")
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        torch.set_num_threads(args.threads)
+        keep = ("transformer_steps", "transformer_batch", "transformer_lr", "shift", "images_per_prompt", "seed",
+                "eval_steps", "eval_seeds", "layers", "single_layers", "cfg_dropout")
+        print(flux3.build_flux3(args.out, **{k: getattr(args, k) for k in keep if k in given}))
+        return
     if args.copy:
         raise SystemExit("--copy: a flux1-kontext option (--family flux1-kontext)")
     for name, value in (UNTRAINED if args.untrained else {}).items():
@@ -89,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--init-from: {args.init_from} is not a build of this tool (no build_info.json)")
     flux2_options = {k: v for k, v in (("cfg_dropout", args.cfg_dropout), ("long_text_every", args.long_text_every))
                      if v is not None}
-    if args.family != "flux2" and flux2_options:
+    if args.family != "flux2" and flux2_options:  # flux3 returned above
         raise SystemExit(f"--{next(iter(flux2_options)).replace('_', '-')}: a flux2 option (--family flux2)")
     if args.family == "flux2":
         builder = flux2.klein(**flux2_options)

@@ -103,7 +103,9 @@ def test_transformer_configs_name_their_family():
     assert family_of_transformer(json.loads((TINY / "transformer" / "config.json").read_text())) is FLUX1
     assert family_of_transformer({}) is FLUX1
     assert family_of_transformer({"_class_name": "Flux2Transformer2DModel"}).name == "flux2"
-    with pytest.raises(ConfigError, match="supported: Flux2Transformer2DModel, FluxTransformer2DModel"):
+    assert family_of_transformer({"_class_name": "Flux3Transformer2DModel"}).name == "flux3"
+    with pytest.raises(ConfigError,
+                       match="supported: Flux2Transformer2DModel, Flux3Transformer2DModel, FluxTransformer2DModel"):
         family_of_transformer({"_class_name": "SD3Transformer2DModel"})
 
 

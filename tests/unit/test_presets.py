@@ -54,11 +54,12 @@ MOVED = {
     "recipes/configs/flux2_klein/nft_lora.yaml": "recipes/configs/experimental/flux2_klein_nft_lora.yaml",
     "recipes/configs/flux2_klein/edit_nft_lora.yaml": "recipes/configs/experimental/flux2_klein_edit_nft_lora.yaml",
 }
-# Presets new since a8d41cc (no oracle entry): every objective on every real family, and FLUX.2 [klein] base with
-# true CFG.
+# Presets new since a8d41cc (no oracle entry): every objective on every real family, FLUX.2 [klein] base with
+# true CFG, the tiny FLUX.3.
 NEW = ["recipes/configs/experimental/flux2_klein_awm_lora.yaml", "recipes/configs/flux2_dev/nft_lora.yaml",
        "recipes/configs/flux2_dev/awm_lora.yaml", "recipes/configs/flux1_kontext_dev/awm_lora.yaml",
-       "recipes/configs/tiny_flux2/awm_lora.yaml",
+       "recipes/configs/tiny_flux2/awm_lora.yaml", "recipes/configs/tiny_flux3/grpo_lora.yaml",
+       "recipes/configs/tiny_flux3/nft_lora.yaml",
        *(f"recipes/configs/flux2_klein_base/{name}.yaml" for name in
          ("grpo_lora", "grpo_full", "nft_lora", "nft_full", "awm_lora", "awm_full", "grpo_lora_9b", "nft_lora_9b",
           "awm_lora_9b"))]
@@ -252,7 +253,8 @@ def test_bases_name_no_objective_and_objectives_no_model():
     assert "extends" not in shared and not {"algorithm", "rewards", "max_steps"} & shared.keys()
 
 
-@pytest.mark.parametrize("base", ["flux2_klein", "flux2_klein_base", "flux2_dev", "tiny_flux2", "tiny_kontext"])
+@pytest.mark.parametrize("base", ["flux2_klein", "flux2_klein_base", "flux2_dev", "tiny_flux2", "tiny_kontext",
+                                  "tiny_flux3"])
 def test_flux2_and_the_tiny_worlds_inherit_no_flux1_sampler(base):
     """FLUX.2 [klein] and [dev] have their own sampler (the pipelines' dynamic shift); the tiny FLUX.2 and Kontext
     bases restate the tiny world's instead of extending the FLUX.1 tiny base."""

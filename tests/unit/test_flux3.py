@@ -1,0 +1,114 @@
+"""The sampler on FLUX.3 against diffusers' own Flux3ModularPipeline (the tiny FLUX.3 world), through the same
+model-family layer and preset path the recipe uses: with eta 0 and the pipeline's schedule (its constant shift 6.93),
+the same noise and the same embeddings, the images agree within 1e-5 in fp32, without CFG (guidance 1: the guider
+off) and with true CFG 4 (the pipeline's ClassifierFreeGuidance, negative prompt "")."""
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+
+from grpo.config import load_config
+from grpo.errors import ConfigError
+from grpo.models import family_of
+from grpo.models.flux3 import FLUX3
+from grpo.prompts import PromptCache, ensure_negative, load_cache, save_cache
+from grpo.rollout import FluxSampler
+from grpo.settings import TrueCFGConfig
+from tests import ROOT, TINY_FLUX3
+
+pytestmark = pytest.mark.skipif(not (TINY_FLUX3 / "modular_model_index.json").exists(),
+                                reason="tiny FLUX.3 not built")
+PROMPTS = ["a red circle on a blue background", "a green square on a yellow background",
+           "a cyan triangle on the left on a magenta background"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    cfg = load_config(ROOT / "recipes/configs/tiny_flux3/grpo_lora.yaml",
+                      [f"model.path={TINY_FLUX3}", "sampling.shift=dynamic"])
+    parts = FLUX3.load_parts(str(TINY_FLUX3))
+    sampler = FluxSampler.from_parts(parts, parts.vae, cfg.sampling, cfg.seed, torch.device("cpu"), torch.float32)
+    cache = PromptCache(PROMPTS, FLUX3.encode_prompts(str(TINY_FLUX3), PROMPTS, cfg.data.max_sequence_length,
+                                                      torch.device("cpu")))
+    return cfg, parts, sampler, cache
+
+
+def pipeline_images(noise: torch.Tensor, steps: int, guidance: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Flux3ModularPipeline's images of PROMPTS (one prompt a call, as its text-encoder step takes them) from `noise`
+    [B, C, h, w], and the prompt embeddings its text-encoder step made."""
+    from maintainer.tiny_worlds.flux3 import sampling_pipeline
+
+    pipe = sampling_pipeline(TINY_FLUX3, guidance)
+    images, embeds = [], []
+    with torch.no_grad():
+        for i, prompt in enumerate(PROMPTS):
+            out = pipe(prompt=prompt, latents=noise[i : i + 1], height=64, width=64, num_inference_steps=steps,
+                       output_type="pt", output=["images", "prompt_embeds"])
+            images.append(out["images"])
+            embeds.append(out["prompt_embeds"])
+    return torch.cat(images).float(), embeds
+
+
+def test_the_folder_is_flux3():
+    assert family_of(TINY_FLUX3) is FLUX3
+    index = json.loads((TINY_FLUX3 / "modular_model_index.json").read_text())
+    assert index["_class_name"] == "Flux3ModularPipeline"
+
+
+def test_the_schedule_is_the_pipelines_constant_shift(setup):
+    cfg, parts, sampler, _ = setup
+    assert parts.scheduler_config["shift"] == pytest.approx(6.93)
+    assert not parts.scheduler_config["use_dynamic_shifting"]
+    n = cfg.sampling.num_steps
+    u = torch.linspace(1.0, 1 / n, n, dtype=torch.float64)
+    expected = torch.cat([6.93 * u / (1 + 5.93 * u), torch.zeros(1, dtype=torch.float64)]).float()
+    torch.testing.assert_close(sampler.sigmas.cpu(), expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("guidance", [1.0, 4.0])
+def test_ode_rollout_reproduces_flux3_modular_pipeline(setup, tmp_path, guidance):
+    """Guidance 1: one call a step, the conditional velocity; guidance 4: the sampler's true CFG (sampling.true_cfg,
+    negative prompt "" through the recipe's cache) against the pipeline's ClassifierFreeGuidance. The pipeline
+    encodes the prompts itself: its embeddings are the cache's too."""
+    cfg, parts, plain, cache = setup
+    ids = list(range(len(PROMPTS)))
+    if guidance == 1.0:
+        sampler, cond_cache = plain, cache
+    else:
+        s = dataclasses.replace(cfg.sampling, true_cfg=TrueCFGConfig(scale=guidance))
+        sampler = FluxSampler.from_parts(parts, parts.vae, s, cfg.seed, torch.device("cpu"), torch.float32)
+        data = dataclasses.replace(cfg.data, cache_dir=str(tmp_path))
+        save_cache(cache, tmp_path / "prompts.safetensors")
+        cond_cache = load_cache(tmp_path / "prompts.safetensors",
+                                negative=ensure_negative(str(TINY_FLUX3), s, data, torch.device("cpu")))
+        assert cond_cache.negative["prompt_embeds"].shape == (1, *cache.embeds["prompt_embeds"].shape[1:])
+    init = sampler.initial_latents(0, ids)
+    ours = sampler.decode(sampler.sample(parts.transformer, sampler.conditioning(cond_cache, ids), init, eta=0.0).x0)
+    # The pipeline draws its noise as [B, 4C, h/2, w/2] and flattens it to tokens: the same numbers, unflattened.
+    side = sampler.latent_size // 2
+    noise = init.cpu().transpose(1, 2).reshape(len(ids), -1, side, side)
+    expected, embeds = pipeline_images(noise, cfg.sampling.num_steps, guidance)
+    torch.testing.assert_close(torch.cat(embeds), cache.embeds["prompt_embeds"], atol=0, rtol=0)
+    assert ours.shape == expected.shape == (3, 3, 64, 64)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
+    if guidance != 1.0:  # CFG is another image: the test would catch a guider that did nothing
+        plain_images = plain.decode(plain.sample(parts.transformer, plain.conditioning(cache, ids), init, eta=0.0).x0)
+        assert (plain_images - ours).abs().max() > 1e-2
+
+
+def test_the_flow_map_is_refused_in_one_line(tmp_path):
+    """The step-distilled FLUX.3 (transformer flow_map: true) is refused from its config, before any weight."""
+    folder = tmp_path / "distilled"
+    (folder / "transformer").mkdir(parents=True)
+    index = json.loads((TINY_FLUX3 / "modular_model_index.json").read_text())
+    (folder / "modular_model_index.json").write_text(json.dumps({**index, "_class_name":
+                                                                 "Flux3DistilledModularPipeline"}))
+    config = json.loads((TINY_FLUX3 / "transformer" / "config.json").read_text())
+    (folder / "transformer" / "config.json").write_text(json.dumps({**config, "flow_map": True}))
+    with pytest.raises(ConfigError, match="flow_map: true") as err:
+        family_of(folder)
+    assert "\n" not in str(err.value)
+    shutil.rmtree(folder)
