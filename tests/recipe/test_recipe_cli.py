@@ -48,7 +48,8 @@ def test_run_sh_trains_logs_and_exports(tmp_path, kind):
     manifest = json.loads((out / "manifest.json").read_text())
     [segment] = manifest["segments"]
     assert segment["finished"] and segment["world_size"] == 2 and segment["config_sha256"] == _sha(out / "config.yaml")
-    exports = [p for p in sorted((out / "final").rglob("*")) if p.is_file()]
+    exports = [p for top in ("final", "best") for p in sorted((out / top).rglob("*")) if p.is_file()]
+    assert (out / "best" / "best.json").is_file()  # the held-out evals kept their best (grpo/best.py)
     assert exports and manifest["exports"] == {str(p.relative_to(out)): _sha(p) for p in exports}
 
     pipe = FluxPipeline.from_pretrained(str(TINY), dtype=torch.float32)
