@@ -85,7 +85,7 @@ def write_lora(family, state: dict[str, torch.Tensor], lora: dict, out_dir: str 
     if "diffusers" in formats:
         family.save_lora(out_dir, state, lora_metadata(lora))
     if "comfyui" in formats:
-        write_comfyui(state, family.meta_transformer(model_path), lora, out_dir)
+        write_comfyui(state, family.meta_transformer(model_path), lora, out_dir, family)
 
 
 def write_transformer(state: dict[str, torch.Tensor], class_name: str, transformer_config: dict,

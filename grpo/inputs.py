@@ -211,7 +211,7 @@ def check_inputs(cfg: RecipeConfig, world_size: int) -> Inputs:
     ds_config = load_ds_config(cfg.deepspeed.config, cfg, layout)
     if cfg.lora is not None:
         check_lora_targets_on_config(model_path, cfg.lora.target_modules)
-    lora_files.check_formats(cfg.export.formats, cfg.lora)
+    lora_files.check_formats(cfg.export.formats, cfg.lora, family_of(model_path))
     check_guidance(model_path, cfg.sampling.guidance, cfg.sampling.negative_prompt is not None)
     check_rewards(cfg.rewards)
     check_prompt_sets(cfg, model_path)

@@ -37,57 +37,22 @@ from grpo.errors import ConfigError
 # beside diffusers' pytorch_lora_weights.safetensors, which load_lora_weights(folder) picks when a folder holds both
 COMFYUI_FILE = "comfyui_lora.safetensors"
 
-# (BFL module, diffusers modules it fuses along its output) per block kind; "{i}" is the block index
-_FLUX1 = {
-    "double_blocks_{i}_": ("transformer_blocks.{i}.", [
-        ("img_attn_proj", ["attn.to_out.0"]),
-        ("img_attn_qkv", ["attn.to_q", "attn.to_k", "attn.to_v"]),
-        ("img_mlp_0", ["ff.net.0.proj"]), ("img_mlp_2", ["ff.net.2"]), ("img_mod_lin", ["norm1.linear"]),
-        ("txt_attn_proj", ["attn.to_add_out"]),
-        ("txt_attn_qkv", ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"]),
-        ("txt_mlp_0", ["ff_context.net.0.proj"]), ("txt_mlp_2", ["ff_context.net.2"]),
-        ("txt_mod_lin", ["norm1_context.linear"])]),
-    "single_blocks_{i}_": ("single_transformer_blocks.{i}.", [
-        ("linear1", ["attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"]),
-        ("linear2", ["proj_out"]), ("modulation_lin", ["norm.linear"])]),
-    "": ("", [
-        ("img_in", ["x_embedder"]), ("txt_in", ["context_embedder"]),
-        ("time_in_in_layer", ["time_text_embed.timestep_embedder.linear_1"]),
-        ("time_in_out_layer", ["time_text_embed.timestep_embedder.linear_2"]),
-        ("guidance_in_in_layer", ["time_text_embed.guidance_embedder.linear_1"]),
-        ("guidance_in_out_layer", ["time_text_embed.guidance_embedder.linear_2"]),
-        ("vector_in_in_layer", ["time_text_embed.text_embedder.linear_1"]),
-        ("vector_in_out_layer", ["time_text_embed.text_embedder.linear_2"])]),
-}
-_FLUX2 = {
-    "double_blocks_{i}_": ("transformer_blocks.{i}.", [
-        ("img_attn_proj", ["attn.to_out.0"]),
-        ("img_attn_qkv", ["attn.to_q", "attn.to_k", "attn.to_v"]),
-        ("txt_attn_proj", ["attn.to_add_out"]),
-        ("txt_attn_qkv", ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"]),
-        ("img_mlp_0", ["ff.linear_in"]), ("img_mlp_2", ["ff.linear_out"]),
-        ("txt_mlp_0", ["ff_context.linear_in"]), ("txt_mlp_2", ["ff_context.linear_out"])]),
-    "single_blocks_{i}_": ("single_transformer_blocks.{i}.", [
-        ("linear1", ["attn.to_qkv_mlp_proj"]), ("linear2", ["attn.to_out"])]),
-    "": ("", [
-        ("img_in", ["x_embedder"]), ("txt_in", ["context_embedder"]),
-        ("time_in_in_layer", ["time_guidance_embed.timestep_embedder.linear_1"]),
-        ("time_in_out_layer", ["time_guidance_embed.timestep_embedder.linear_2"]),
-        ("final_layer_linear", ["proj_out"])]),
-}
-_TABLES = {"FluxTransformer2DModel": _FLUX1, "Flux2Transformer2DModel": _FLUX2}
 
 
-def _groups(transformer: torch.nn.Module) -> list[tuple[str, list[str]]]:
-    """(kohya module name, the diffusers modules it fuses) for every BFL module of `transformer`'s class."""
-    table = _TABLES[type(transformer).__name__]
+def _groups(transformer: torch.nn.Module, family) -> list[tuple[str, list[str]]]:
+    """(kohya module name, the diffusers modules it fuses) for every BFL module of `transformer`, from its family's
+    table (ModelFamily.comfyui_modules)."""
+    table = family.comfyui_modules
+    if table is None:
+        raise ConfigError(f"export.formats: comfyui is not written for {family.name}; export diffusers only")
     blocks = {"double_blocks_{i}_": len(transformer.transformer_blocks),
               "single_blocks_{i}_": len(transformer.single_transformer_blocks), "": 1}
     return [("lora_unet_" + kohya.format(i=i) + name, [prefix.format(i=i) + p for p in parts])
             for kohya, (prefix, entries) in table.items() for i in range(blocks[kohya]) for name, parts in entries]
 
 
-def to_comfyui(state: dict[str, torch.Tensor], transformer: torch.nn.Module, alpha: float) -> dict[str, torch.Tensor]:
+def to_comfyui(state: dict[str, torch.Tensor], transformer: torch.nn.Module, alpha: float,
+               family) -> dict[str, torch.Tensor]:
     """PEFT-named adapter weights (`...to_q.lora_A.weight`) -> ComfyUI's kohya/BFL keys, fused modules block-diagonal.
 
     Args:
@@ -95,10 +60,11 @@ def to_comfyui(state: dict[str, torch.Tensor], transformer: torch.nn.Module, alp
         transformer: the model (the meta-device one will do): its class picks the names, its layers' sizes fill the
             zero blocks of untrained parts of a fused module.
         alpha: lora.alpha (one for every adapter).
+        family: the model family (grpo/models/), whose comfyui_modules name BFL's modules.
     """
     trained = {k.rsplit(".lora_", 1)[0] for k in state}
     out, placed = {}, set()
-    for kohya, parts in _groups(transformer):
+    for kohya, parts in _groups(transformer, family):
         if not trained.intersection(parts):
             continue
         like = state[f"{next(p for p in parts if p in trained)}.lora_A.weight"]
@@ -132,13 +98,13 @@ def comfyui_metadata(lora: dict) -> dict[str, str]:
 
 
 def write_comfyui(state: dict[str, torch.Tensor], transformer: torch.nn.Module, lora: dict,
-                  out_dir: str | Path) -> Path:
+                  out_dir: str | Path, family) -> Path:
     """`out_dir`/comfyui_lora.safetensors: the adapters in ComfyUI's native format (ComfyUI/models/loras/)."""
     from safetensors.torch import save_file
 
     path = Path(out_dir) / COMFYUI_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(to_comfyui(state, transformer, lora["alpha"]), str(path), metadata=comfyui_metadata(lora))
+    save_file(to_comfyui(state, transformer, lora["alpha"], family), str(path), metadata=comfyui_metadata(lora))
     return path
 
 
@@ -251,9 +217,11 @@ def load_init_lora(transformer: torch.nn.Module, state: dict[str, torch.Tensor])
             params[k].copy_(v.to(params[k].dtype))
 
 
-def check_formats(formats: list[str], lora) -> None:
+def check_formats(formats: list[str], lora, family) -> None:
     unknown = [f for f in formats if f not in ("diffusers", "comfyui")]
     if unknown or not formats:
         raise ConfigError(f"export.formats: {formats}; use a list of diffusers and comfyui")
     if "comfyui" in formats and lora is None:
         raise ConfigError("export.formats: comfyui is a LoRA format, and this run is a full fine-tune (lora: null)")
+    if "comfyui" in formats and family.comfyui_modules is None:
+        raise ConfigError(f"export.formats: comfyui is not written for {family.name}; export diffusers only")

@@ -17,7 +17,7 @@ import importlib
 import inspect
 import json
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -137,6 +137,8 @@ class ModelFamily:
         references: (fewest, most) reference images a dataset row gives (its ``image``/``images`` fields); (0, 0)
             for text-to-image FLUX.1, (1, 1) for FLUX.1-Kontext's one source image, (0, 4) for FLUX.2's optional
             reference images.
+        comfyui_modules: ComfyUI's (kohya on Black Forest Labs' module names) LoRA names of the transformer's modules
+            (grpo/lora_files.py); None: that format is not written for the family.
     """
 
     name: str
@@ -146,6 +148,7 @@ class ModelFamily:
     text_folders: tuple[str, ...]
     embed_keys: tuple[str, ...]
     references: tuple[int, int] = (0, 0)
+    comfyui_modules: dict | None = field(default=None, hash=False, compare=False, repr=False)
 
     # -- loading ------------------------------------------------------------------------------------------------
     def transformer_class(self) -> type:

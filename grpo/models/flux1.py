@@ -15,6 +15,31 @@ import torch
 from grpo.models.base import Conditioning, ModelFamily
 
 
+# ComfyUI's LoRA names (grpo/lora_files.py): (BFL module, diffusers modules it fuses along its output) per block
+# kind; "{i}" is the block index
+COMFYUI_MODULES = {
+    "double_blocks_{i}_": ("transformer_blocks.{i}.", [
+        ("img_attn_proj", ["attn.to_out.0"]),
+        ("img_attn_qkv", ["attn.to_q", "attn.to_k", "attn.to_v"]),
+        ("img_mlp_0", ["ff.net.0.proj"]), ("img_mlp_2", ["ff.net.2"]), ("img_mod_lin", ["norm1.linear"]),
+        ("txt_attn_proj", ["attn.to_add_out"]),
+        ("txt_attn_qkv", ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"]),
+        ("txt_mlp_0", ["ff_context.net.0.proj"]), ("txt_mlp_2", ["ff_context.net.2"]),
+        ("txt_mod_lin", ["norm1_context.linear"])]),
+    "single_blocks_{i}_": ("single_transformer_blocks.{i}.", [
+        ("linear1", ["attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"]),
+        ("linear2", ["proj_out"]), ("modulation_lin", ["norm.linear"])]),
+    "": ("", [
+        ("img_in", ["x_embedder"]), ("txt_in", ["context_embedder"]),
+        ("time_in_in_layer", ["time_text_embed.timestep_embedder.linear_1"]),
+        ("time_in_out_layer", ["time_text_embed.timestep_embedder.linear_2"]),
+        ("guidance_in_in_layer", ["time_text_embed.guidance_embedder.linear_1"]),
+        ("guidance_in_out_layer", ["time_text_embed.guidance_embedder.linear_2"]),
+        ("vector_in_in_layer", ["time_text_embed.text_embedder.linear_1"]),
+        ("vector_in_out_layer", ["time_text_embed.text_embedder.linear_2"])]),
+}
+
+
 class Flux1(ModelFamily):
     def encode_chunk(self, pipe, prompts, max_sequence_length, device):
         """FluxPipeline.encode_prompt: T5's sequence and CLIP's pooled embedding."""
@@ -74,7 +99,8 @@ class Flux1(ModelFamily):
 
 
 FLUX1 = Flux1(name="flux1", pipelines=("FluxPipeline",), transformer="FluxTransformer2DModel", vae="AutoencoderKL",
-              text_folders=("text_encoder", "text_encoder_2"), embed_keys=("prompt_embeds", "pooled"))
+              text_folders=("text_encoder", "text_encoder_2"), embed_keys=("prompt_embeds", "pooled"),
+              comfyui_modules=COMFYUI_MODULES)
 
 
 class Flux1Kontext(Flux1):
@@ -125,4 +151,4 @@ class Flux1Kontext(Flux1):
 FLUX1_KONTEXT = Flux1Kontext(name="flux1-kontext", pipelines=("FluxKontextPipeline",),
                              transformer="FluxTransformer2DModel", vae="AutoencoderKL",
                              text_folders=("text_encoder", "text_encoder_2"), embed_keys=("prompt_embeds", "pooled"),
-                             references=(1, 1))
+                             references=(1, 1), comfyui_modules=COMFYUI_MODULES)

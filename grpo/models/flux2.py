@@ -20,6 +20,26 @@ import torch
 from grpo.models.base import Conditioning, ModelFamily
 
 
+# ComfyUI's LoRA names (grpo/lora_files.py): (BFL module, diffusers modules it fuses along its output) per block
+# kind; "{i}" is the block index
+COMFYUI_MODULES = {
+    "double_blocks_{i}_": ("transformer_blocks.{i}.", [
+        ("img_attn_proj", ["attn.to_out.0"]),
+        ("img_attn_qkv", ["attn.to_q", "attn.to_k", "attn.to_v"]),
+        ("txt_attn_proj", ["attn.to_add_out"]),
+        ("txt_attn_qkv", ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"]),
+        ("img_mlp_0", ["ff.linear_in"]), ("img_mlp_2", ["ff.linear_out"]),
+        ("txt_mlp_0", ["ff_context.linear_in"]), ("txt_mlp_2", ["ff_context.linear_out"])]),
+    "single_blocks_{i}_": ("single_transformer_blocks.{i}.", [
+        ("linear1", ["attn.to_qkv_mlp_proj"]), ("linear2", ["attn.to_out"])]),
+    "": ("", [
+        ("img_in", ["x_embedder"]), ("txt_in", ["context_embedder"]),
+        ("time_in_in_layer", ["time_guidance_embed.timestep_embedder.linear_1"]),
+        ("time_in_out_layer", ["time_guidance_embed.timestep_embedder.linear_2"]),
+        ("final_layer_linear", ["proj_out"])]),
+}
+
+
 class Flux2(ModelFamily):
     def encode_chunk(self, pipe, prompts, max_sequence_length, device):
         """The pipeline's encode_prompt (klein: Qwen3 chat template, hidden states of layers 9, 18, 27 stacked; [dev]:
@@ -110,5 +130,5 @@ class Flux2(ModelFamily):
 # Up to 4 reference images a row: this project's cap (each one adds the noisy sequence again), not a pipeline limit.
 _FLUX2 = dict(name="flux2", transformer="Flux2Transformer2DModel", vae="AutoencoderKLFlux2",
               text_folders=("text_encoder",), embed_keys=("prompt_embeds",), references=(0, 4))
-FLUX2_KLEIN = Flux2(pipelines=("Flux2KleinPipeline",), **_FLUX2)
-FLUX2_DEV = Flux2(pipelines=("Flux2Pipeline",), **_FLUX2)
+FLUX2_KLEIN = Flux2(pipelines=("Flux2KleinPipeline",), comfyui_modules=COMFYUI_MODULES, **_FLUX2)
+FLUX2_DEV = Flux2(pipelines=("Flux2Pipeline",), comfyui_modules=COMFYUI_MODULES, **_FLUX2)

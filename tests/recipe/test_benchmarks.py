@@ -38,6 +38,7 @@ def test_rollout_smoke():
     assert any("ours (latents only)" in line for line in lines)
 
 
+@pytest.mark.slow  # CI time: the benchmark's engines are build_policy's, which every recipe test builds
 def test_step_efficiency_smoke():
     lines = run("step_efficiency.py", "--smoke")
     e = headline(lines, "step_efficiency")

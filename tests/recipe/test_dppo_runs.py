@@ -27,6 +27,7 @@ def tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("dppo")
 
 
+@pytest.mark.slow  # CI time: the mask's arithmetic and per-transition logging are tests/unit/test_dppo.py's
 def test_the_first_pass_ratio_stays_one_and_the_masked_share_is_logged_per_transition(tmp):
     rows = _run(tmp, "grpo", GRPO, 2, GRPO_EXTRA)["rows"]
     assert [r["ratio_max_dev"] for r in rows] == [0.0, 0.0]

@@ -40,7 +40,7 @@ def started(tmp_path_factory):
                                     target_modules=lora.target_modules))
     g = torch.Generator().manual_seed(0)
     state = {k: 0.1 * torch.randn(shape, generator=g) for k, shape in expected_adapter(meta).items()}
-    init = write_comfyui(state, meta, dataclasses.asdict(lora), tmp / "init")
+    init = write_comfyui(state, meta, dataclasses.asdict(lora), tmp / "init", family_of(TINY_FLUX2))
     out = tmp / "run"
     proc = run_recipe(str(CONFIG), [*ARGS, f"output_dir={out}", f"data.cache_dir={tmp / 'cache'}", "max_steps=1",
                                     "checkpoint.every=1", f"lora.init_from={init}"], 2)

@@ -31,7 +31,8 @@ def tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("norm_guard")
 
 
-@pytest.mark.parametrize("algorithm", ["nft", "awm"])
+# nft's run with -m slow (CI time): the same hinge and ratio code as awm's (grpo/objectives/forward.py)
+@pytest.mark.parametrize("algorithm", [pytest.param("nft", marks=pytest.mark.slow), "awm"])
 def test_the_first_pass_hinge_is_zero_and_the_ratio_is_logged(tmp, algorithm):
     first, second = _run(tmp, algorithm, PRESETS[algorithm], 2, _extra(algorithm))["rows"]
     assert first["norm_guard"] == 0.0 and first["drift/vnorm_ratio"] == 1.0
@@ -39,6 +40,7 @@ def test_the_first_pass_hinge_is_zero_and_the_ratio_is_logged(tmp, algorithm):
     assert first["drift/vnorm"] > 0 and second["drift/vnorm"] > 0
 
 
+@pytest.mark.slow  # CI time: drift_stats's arithmetic and grpo's reference norms are tests/unit/test_norm_guard.py's
 def test_grpo_logs_the_drift_against_its_reference(tmp):
     """grpo with a KL (a reference loaded: the LoRA policy with its adapters off): at step 0 the policy is the
     reference (its KL is exactly 0 there), so the ratio is exactly 1; the norm is logged at every step; the first-pass

@@ -33,15 +33,27 @@ def lora_runs(tmp_path_factory):
     return {n: one_step(tmp, n, "recipes/configs/tiny/grpo_lora.yaml", ["optim.lr=1e-2"]) for n in (1, 2)}
 
 
+class _Runs(dict):
+    """nproc -> the step's result, each run made when a test first asks for it."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, nproc: int) -> dict:
+        self[nproc] = self.make(nproc)
+        return self[nproc]
+
+
 @pytest.fixture(scope="module")
 def full_kl_runs(tmp_path_factory):
     """Full fine-tune with a sharded reference; ZeRO-3 fetches whole blocks here (deepspeed.fetch_blocks), so the
-    invariants below hold for that path too (the LoRA runs keep the module-by-module default)."""
+    invariants below hold for that path too (the LoRA runs keep the module-by-module default). The 1-process run is
+    made only by the comparison with 2 (-m slow: CI time; the LoRA runs compare 1 and 2 in the default tier)."""
     tmp = tmp_path_factory.mktemp("full")
-    return {n: one_step(tmp, n, "recipes/configs/tiny/grpo_full.yaml", ["grpo.kl_coef=0.5", "optim.lr=1e-3",
-                                                                           "batch.updates_per_step=2",
-                                                                           "deepspeed.fetch_blocks=true"])
-            for n in (1, 2)}
+    return _Runs(lambda n: one_step(tmp, n, "recipes/configs/tiny/grpo_full.yaml",
+                                    ["grpo.kl_coef=0.5", "optim.lr=1e-3", "batch.updates_per_step=2",
+                                     "deepspeed.fetch_blocks=true"]))
 
 
 def test_ratio_is_one_on_the_first_pass_with_batched_rollouts(lora_runs, full_kl_runs):
@@ -75,7 +87,7 @@ def assert_same_step(one: dict, two: dict, rel: float = 1e-5, max_abs: float = 1
     assert moved > 0  # the step did update the weights
 
 
-@pytest.mark.parametrize("which", ["lora", "full"])
+@pytest.mark.parametrize("which", ["lora", pytest.param("full", marks=pytest.mark.slow)])
 def test_same_step_on_one_and_two_processes(lora_runs, full_kl_runs, which):
     runs = lora_runs if which == "lora" else full_kl_runs
     assert_same_step(runs[1], runs[2])
@@ -107,9 +119,12 @@ PRESETS = {
     "grpo_candidates": ("recipes/configs/experimental/tiny_grpo_candidates_lora.yaml", [], 6 + 6 + 5 * 3),
     "nft_candidates": ("recipes/configs/tiny/nft_candidates_lora.yaml", ["nft.group_noise=true"], 6 + 6 + 2 * (3 + 1)),
 }
-# The same code paths as another preset's: with -m slow (CI time). awm_no_anchor is awm's step less the anchor's
-# forward.
-SLOW_PRESETS = ("flash_frozen", "nft_candidates", "awm_no_anchor")
+# With -m slow (CI time): the same code paths as another preset's (awm_no_anchor is awm's step less the anchor's
+# forward), or as another default-tier run's (nft: tests/recipe/test_matching_runs.py; awm:
+# tests/recipe/test_norm_guard_runs.py; MixGRPO-Flash's and Flash-GRPO's windows: the same transition code as
+# flowgrpo_fast's window, their own parts in process in tests/unit/test_fast.py and test_flash.py). Their costs: the
+# closed forms of tests/unit/test_rollout_plan.py.
+SLOW_PRESETS = ("flash_frozen", "nft_candidates", "awm_no_anchor", "mixgrpo_flash", "flashgrpo", "nft", "awm")
 
 
 # MixGRPO-Flash* is MixGRPO-Flash with its window frozen, nft_candidates grpo_candidates' selection on nft's step.

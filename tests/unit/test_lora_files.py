@@ -21,9 +21,9 @@ from grpo.errors import ConfigError
 from grpo.export import lora_metadata
 from grpo.lora_files import (COMFYUI_FILE, check_formats, expected_adapter, init_lora_state, read_lora,
                              to_comfyui, write_comfyui)
-from grpo.models import family_of
+from grpo.models import family_of, family_of_transformer
 from grpo.settings import LoraConfig
-from tests import TINY, TINY_FLUX2, TINY_KONTEXT
+from tests import TINY, TINY_FLUX2, TINY_FLUX3, TINY_KONTEXT
 
 ALL = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 # diffusers' FLUX.1 reader sizes a single block's linear1 as FLUX.1-dev's; at the tiny width the tiny test adapts the
@@ -60,7 +60,7 @@ def test_round_trip_through_diffusers_converters_is_exact(cls_name, config, targ
     with torch.device("meta"):
         model = _with_adapter(cls(**config), _lora(targets=targets))
     state = _random_state(model)
-    comfy = to_comfyui(state, model, 8.0)
+    comfy = to_comfyui(state, model, 8.0, family_of_transformer({"_class_name": cls_name}))
     assert all(k.startswith("lora_unet_") for k in comfy)
     fused = "lora_unet_double_blocks_0_img_attn_qkv"
     assert comfy[f"{fused}.lora_down.weight"].shape[0] == 12 and comfy[f"{fused}.alpha"].item() == 24.0
@@ -108,7 +108,8 @@ def test_comfyui_export_gives_the_diffusers_loras_image(name, tmp_path):
     pipe = _pipe(path)
     state = _random_state(_with_adapter(family.meta_transformer(str(path)), lora))
     family.save_lora(tmp_path / "diffusers", state, lora_metadata(dataclasses.asdict(lora)))
-    written = write_comfyui(state, family.meta_transformer(str(path)), dataclasses.asdict(lora), tmp_path / "comfy")
+    written = write_comfyui(state, family.meta_transformer(str(path)), dataclasses.asdict(lora), tmp_path / "comfy",
+                            family)
     assert written.name == COMFYUI_FILE
     with safe_open(str(written), framework="pt") as f:
         assert f.metadata()["ss_network_alpha"] == "8.0" and f.metadata()["ss_network_dim"] == "4"
@@ -127,7 +128,7 @@ def test_init_lora_mismatches_are_one_line(tmp_path):
     lora = _lora(targets=FLUX2)
     meta = _with_adapter(family.meta_transformer(str(TINY_FLUX2)), lora)
     state = _random_state(meta)
-    path = write_comfyui(state, meta, dataclasses.asdict(lora), tmp_path)
+    path = write_comfyui(state, meta, dataclasses.asdict(lora), tmp_path, family)
     got = init_lora_state(str(path), family, meta, lora)
     assert all(torch.equal(got[k], v) for k, v in state.items())
     cases = {"alpha/rank [2.0], but lora.alpha/lora.rank is 4.0": _lora(alpha=16.0, targets=FLUX2),
@@ -143,11 +144,13 @@ def test_init_lora_mismatches_are_one_line(tmp_path):
 
 
 def test_export_formats_are_checked():
-    check_formats(["diffusers", "comfyui"], _lora())
+    check_formats(["diffusers", "comfyui"], _lora(), family_of(TINY_FLUX2))
     with pytest.raises(ConfigError, match="export.formats"):
-        check_formats(["kohya"], _lora())
+        check_formats(["kohya"], _lora(), family_of(TINY_FLUX2))
     with pytest.raises(ConfigError, match="full fine-tune"):
-        check_formats(["comfyui"], None)
+        check_formats(["comfyui"], None, family_of(TINY_FLUX2))
+    with pytest.raises(ConfigError, match="not written for flux3"):  # no ComfyUI names for FLUX.3's modules yet
+        check_formats(["comfyui"], _lora(), family_of(TINY_FLUX3))
 
 
 def test_init_lora_reads_diffusers_files_and_is_checked_before_the_model_loads(tmp_path):
