@@ -131,7 +131,7 @@ def render(report: dict) -> str:
     p, s, stats = report["protocol"], report["settings"], report["stats"]
     lines = [f"# Bench: {report['suite']['name']}", "",
              f"{report['suite']['prompts']} prompts x {p['seeds_per_prompt']} seeds = {stats['images']} images, "
-             f"model `{s['model']}`, rewards {report['rewards']}.", "",
+             f"model `{s['model']}`, rewards {json.dumps(report['rewards'])}.", "",
              "## Protocol", "", *(f"- {k}: {json.dumps(v)}" for k, v in p.items()),
              f"- settings as sampled: {json.dumps(s)}", "", "## Result", ""]
     if not stats["runs"]:
@@ -142,8 +142,9 @@ def render(report: dict) -> str:
         if sp["std"] is not None:
             lines += ["", f"Between the {sp['n']} checkpoints: gain {sp['mean']:+.4f}, std {sp['std']:.4f}, range "
                           f"{sp['low']:+.4f} .. {sp['high']:+.4f}."]
+        mean = " (per image: the checkpoints' mean)" if len(stats["runs"]) > 1 else ""
         for tag, rows in stats["tags"].items():
-            lines += ["", f"### By {tag}", "", *_table(rows, tag)]
+            lines += ["", f"### By {tag}{mean}", "", *_table(rows, tag)]
     lines += ["", "Gain: mean of the per-image differences (checkpoint - base, on the same noise); SE: its standard "
                   "error (n - 1); higher: the share of images that score higher.", "",
               "## Provenance", "", f"- date: {report['date']}", f"- command: `{' '.join(report['command'])}`",
