@@ -35,9 +35,9 @@ from grpo import manifest
 from grpo.best import paired
 from grpo.checkpoint import find_checkpoint
 from grpo.config import RecipeConfig, load_config
-from grpo.errors import ConfigError, run_command
+from grpo.errors import ConfigError
 from tools.compare import spread
-from tools.eval import evaluate_checkpoint
+from tools.eval import config_tool, evaluate_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -99,24 +99,28 @@ def summarize(prompts: list[str], metadata: list[dict], tags: list[str], base: l
 
     Args:
         base: the base model's reward per image.
-        checkpoints: each checkpoint's reward per image, on the base's noise.
+        checkpoints: each checkpoint's reward per image, on the base's noise (none: the base alone).
 
     Returns:
         {"images", "base", "runs": [paired gain of each checkpoint], "spread": the gains' spread between checkpoints
-        (std None for one), "tags": {tag: {value: paired gain of the checkpoints' per-image mean over that value's
-        images}}}.
+        (std None for one; None without checkpoints), "tags": {tag: {value: paired gain of the checkpoints' per-image
+        mean over that value's images; the base alone: {"n", "base"}}}}.
     """
-    n = len(prompts)
-    mean_run = [sum(xs) / len(xs) for xs in zip(*checkpoints)]  # the checkpoints' mean per image (one: itself)
-    runs = [_gain(base, c) for c in checkpoints]
-    tables: dict[str, dict[str, dict]] = {}
-    for tag in tags:
-        values: dict[str, list[int]] = {}
+    groups = {tag: {} for tag in tags}  # tag -> value -> its images
+    for tag, values in groups.items():
         for j in range(len(base)):
-            values.setdefault(str(metadata[j % n].get(tag)), []).append(j)
-        tables[tag] = {v: _gain([base[j] for j in idx], [mean_run[j] for j in idx]) for v, idx in sorted(values.items())}
+            values.setdefault(str(metadata[j % len(prompts)].get(tag)), []).append(j)
+    mean_run = [sum(xs) / len(xs) for xs in zip(*checkpoints)]  # the checkpoints' mean per image (one: itself)
+
+    def row(idx: list[int]) -> dict:
+        before = [base[j] for j in idx]
+        return _gain(before, [mean_run[j] for j in idx]) if checkpoints else {"n": len(idx),
+                                                                              "base": sum(before) / len(before)}
+
+    runs = [_gain(base, c) for c in checkpoints]
     return {"images": len(base), "base": sum(base) / len(base), "runs": runs,
-            "spread": spread([r["mean"] for r in runs])._asdict(), "tags": tables}
+            "spread": spread([r["mean"] for r in runs])._asdict() if runs else None,
+            "tags": {tag: {v: row(idx) for v, idx in sorted(values.items())} for tag, values in groups.items()}}
 
 
 def _table(rows: dict[str, dict], head: str) -> list[str]:
@@ -136,6 +140,9 @@ def render(report: dict) -> str:
              f"- settings as sampled: {json.dumps(s)}", "", "## Result", ""]
     if not stats["runs"]:
         lines.append(f"Base model only: mean reward {stats['base']:.4f}.")
+        for tag, rows in stats["tags"].items():
+            lines += ["", f"### By {tag}", "", f"| {tag} | images | base |", "|---|---:|---:|",
+                      *(f"| {k} | {r['n']} | {r['base']:.4f} |" for k, r in rows.items())]
     else:
         lines += _table({c["path"]: r for c, r in zip(report["checkpoints"], stats["runs"])}, "checkpoint")
         sp = stats["spread"]
@@ -207,23 +214,14 @@ def bench(config: str, suite: str, checkpoints: list[str], weights: str = "auto"
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m tools.bench CONFIG suite=NAME|PATH [checkpoint=A[,B...]] [weights=...] [out=DIR] [key=value ...]`."""
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0 if argv else 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    mine = ("suite=", "checkpoint=", "weights=", "out=")
-    own = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv[1:] if a.startswith(mine)}
-    overrides = [a for a in argv[1:] if not a.startswith(mine)]
-
-    def body() -> str:
+    def body(config: str, own: dict[str, str], overrides: list[str]) -> str:
         if not own.get("suite"):
             raise ConfigError("suite: missing; suite=NAME (under assets/suites/) or suite=PATH")
         checkpoints = [c for c in own.get("checkpoint", "").split(",") if c]
-        return str(bench(argv[0], own["suite"], checkpoints, own.get("weights", "auto"), own.get("out") or None,
+        return str(bench(config, own["suite"], checkpoints, own.get("weights", "auto"), own.get("out") or None,
                          overrides))
 
-    return run_command(body)
+    return config_tool(argv, __doc__, ("suite", "checkpoint", "weights", "out"), body)
 
 
 if __name__ == "__main__":

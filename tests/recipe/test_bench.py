@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
+
+import pytest
 
 from tests.recipe.launch import run_recipe, tiny_run
 from tools import bench
@@ -21,15 +24,22 @@ def _paired(before: list[float], after: list[float]) -> tuple[float, float, floa
     return mean, math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d)), sum(x > 0 for x in d) / len(d)
 
 
-def test_bench_writes_the_protocol_and_the_paired_statistics_beside_the_run(tmp_path):
-    run_dir = tmp_path / "run"
-    overrides = [*tiny_run(tmp_path), f"data.cache_dir={tmp_path / 'cache'}", "logging.tensorboard=false",
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, list[str]]:
+    """A run folder with a 1-step checkpoint, and the overrides that name its model copy and caches."""
+    tmp = tmp_path_factory.mktemp("bench")
+    run_dir = tmp / "run"
+    overrides = [*tiny_run(tmp), f"data.cache_dir={tmp / 'cache'}", "logging.tensorboard=false",
                  f"output_dir={run_dir}"]
     train = [*overrides, "max_steps=1", "checkpoint.every=1", "logging.eval_every=1", "logging.eval_seeds=1",
              "optim.lr=1e-2", "data.eval_prompts=assets/suites/tiny/prompts.jsonl"]
     proc = run_recipe(LORA, train, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir, overrides
 
+
+def test_bench_writes_the_protocol_and_the_paired_statistics_beside_the_run(trained):
+    run_dir, overrides = trained
     assert cli_main(["bench", LORA, "suite=tiny", f"checkpoint={run_dir}", *overrides]) == 0
     out = run_dir / "bench" / "tiny" / "step_00000001"
     assert {p.name for p in out.iterdir()} >= {"report.json", "report.md", "scores.json", "grid.png"}
@@ -59,3 +69,17 @@ def test_bench_writes_the_protocol_and_the_paired_statistics_beside_the_run(tmp_
                                                                                  "triangle": 2}
     md = (out / "report.md").read_text()
     assert "### By color" in md and f"{mean:+.4f}" in md and '"resolution": 64' in md
+
+
+def test_several_checkpoints_get_a_joint_report_with_their_spread(trained, tmp_path):
+    """The same checkpoint twice (as two training seeds would be given): equal gains, no spread between them; each
+    keeps its folder beside its run, the joint report goes to out=; without out= it is refused (exit 2)."""
+    run_dir, overrides = trained
+    assert cli_main(["bench", LORA, "suite=tiny", f"checkpoint={run_dir},{run_dir}", *overrides]) == 2
+    assert cli_main(["bench", LORA, "suite=tiny", f"checkpoint={run_dir},{run_dir}", f"out={tmp_path / 'joint'}",
+                     *overrides]) == 0
+    report = json.loads((tmp_path / "joint" / "report.json").read_text())
+    one, two = report["stats"]["runs"]
+    assert one == two and report["stats"]["spread"]["std"] == 0.0 and report["stats"]["spread"]["n"] == 2
+    assert [c["dir"] for c in report["checkpoints"]] == [str(run_dir / "bench" / "tiny" / "step_00000001")] * 2
+    assert "Between the 2 checkpoints" in (tmp_path / "joint" / "report.md").read_text()

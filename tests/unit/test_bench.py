@@ -76,6 +76,18 @@ def test_the_report_arithmetic_on_hand_values():
     # per tag: the checkpoints' mean per image (1.5, 2, 4, 4) against the base
     assert s["tags"]["t"]["x"]["mean"] == 0.75 and s["tags"]["t"]["y"]["mean"] == 0.0
 
+    alone = bench.summarize(prompts, metadata, ["t"], base, [])  # the base model only
+    assert (alone["runs"], alone["spread"]) == ([], None)
+    assert alone["tags"]["t"] == {"x": {"n": 2, "base": 2.0}, "y": {"n": 2, "base": 3.0}}
+    assert "| x | 2 | 2.0000 |" in bench.render(_report(alone))
+    assert "| x | 2 | 2.0000 | 2.7500 | +0.7500 | 0.2500 | 100% |" in bench.render(_report(s))
+
+
+def _report(stats: dict) -> dict:
+    return {"suite": {"name": "hand", "path": "p", "prompts": 2, "source": "s"}, "protocol": {"seeds_per_prompt": 2},
+            "settings": {"model": "m"}, "rewards": {"r": 1.0}, "checkpoints": [{"path": "a"}, {"path": "b"}],
+            "stats": stats, "date": "d", "command": ["c"], "code": None, "packages": {}, "device": "cpu"}
+
 
 def test_the_shipped_suites_read():
     for name, prompts, tags in (("tiny", 4, ["color", "shape"]), ("partiprompts", 1632, ["category", "challenge"])):
