@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from tests import ROOT
 from tests.recipe.launch import run_recipe, tiny_run
+from tests.recipe.test_remote_reward import _wait_healthy
+from tools.launch import free_port, launch_env
 from tools import bench
 from tools.cli import main as cli_main
 
@@ -83,3 +88,35 @@ def test_several_checkpoints_get_a_joint_report_with_their_spread(trained, tmp_p
     assert one == two and report["stats"]["spread"]["std"] == 0.0 and report["stats"]["spread"]["n"] == 2
     assert [c["dir"] for c in report["checkpoints"]] == [str(run_dir / "bench" / "tiny" / "step_00000001")] * 2
     assert "Between the 2 checkpoints" in (tmp_path / "joint" / "report.md").read_text()
+
+
+def test_a_served_reward_scores_the_bench_as_the_local_one(trained, tmp_path):
+    """The suite's metadata reaches a reward served by `tools.rewards serve` (tiny_world_meta scores the scene the
+    metadata names, and refuses rows without it): the remote bench's per-image rewards are the local bench's, up to
+    the uint8 transport."""
+    run_dir, overrides = trained
+    (tmp_path / "served.yaml").write_text("rewards:\n  tiny_world_meta: 1.0\n")
+    port, log = free_port(), tmp_path / "server.log"
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "w") as out:
+        server = subprocess.Popen([sys.executable, "-m", "tools.rewards", "serve", str(tmp_path / "served.yaml"),
+                                   "--port", str(port), "--device", "cpu"], cwd=ROOT, env=launch_env(), stdout=out,
+                                  stderr=subprocess.STDOUT)
+    try:
+        _wait_healthy(server, url, log)
+        remote = {"remote": {"url": url, "reward": "tiny_world_meta", "timeout": 60}}
+        assert cli_main(["bench", LORA, "suite=tiny", f"checkpoint={run_dir}", f"out={tmp_path / 'remote'}",
+                         *overrides, "rewards=" + json.dumps(remote)]) == 0
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    assert cli_main(["bench", LORA, "suite=tiny", f"checkpoint={run_dir}", f"out={tmp_path / 'local'}", *overrides,
+                     "rewards=" + json.dumps({"tiny_world_meta": 1.0})]) == 0
+    served, local = (json.loads((tmp_path / k / "report.json").read_text()) for k in ("remote", "local"))
+    assert served["rewards"] == remote
+    sa, sb = (json.loads((tmp_path / k / "scores.json").read_text()) for k in ("remote", "local"))
+    # The images travel as uint8 (grpo/rewards/remote.py): tiny_world, not a model reward that quantizes anyway,
+    # moves by the rounding (measured 4.4e-5 at most); another scene (wrong metadata) would move it by ~0.1.
+    for which in ("base", "checkpoint"):
+        assert max(abs(x - y) for x, y in zip(sa[which]["per_image"], sb[which]["per_image"])) < 1e-3
+    assert abs(served["stats"]["runs"][0]["mean"] - local["stats"]["runs"][0]["mean"]) < 1e-3
