@@ -85,7 +85,10 @@ def apply_protocol(protocol: dict, folder: Path, overrides: list[str]) -> list[s
     if clash:
         raise ConfigError(f"{clash[0]}: pinned by the suite's protocol.yaml; bench another suite (a copy of its "
                           f"folder with another protocol) to sample otherwise")
-    return [*overrides, *sorted(pinned), f"data.eval_prompts={folder / protocol['prompts']}"]
+    prompts = folder / protocol["prompts"]
+    # a bench trains nothing, and the real models' presets name no training prompts: the suite's stand in
+    untrained = [] if any(o.startswith("data.train_prompts=") for o in overrides) else [f"data.train_prompts={prompts}"]
+    return [*overrides, *untrained, *sorted(pinned), f"data.eval_prompts={prompts}"]
 
 
 def _gain(before: list[float], after: list[float]) -> dict:

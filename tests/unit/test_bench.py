@@ -26,6 +26,14 @@ def test_the_protocol_is_applied_over_the_preset():
     assert (cfg.logging.eval_seeds, cfg.seed) == (2, 0)
     assert cfg.data.eval_prompts == str(folder / "prompts.jsonl")
     assert protocol["tags"] == ["color", "shape"]
+    # a bench trains nothing: the real models' presets, which name no training prompts, load with the suite's
+    parti = bench.find_suite("partiprompts")
+    cfg = load_config(ROOT / "recipes" / "configs" / "flux1_dev" / "grpo_lora.yaml",
+                      bench.apply_protocol(bench.read_protocol(parti), parti, []))
+    assert (cfg.sampling.resolution, cfg.sampling.eval_num_steps, cfg.data.train_prompts) == \
+        (1024, 28, str(parti / "prompts.jsonl"))
+    given = bench.apply_protocol(protocol, folder, ["data.train_prompts=assets/prompts/tiny_train.txt"])
+    assert load_config(PRESET, given).data.train_prompts == "assets/prompts/tiny_train.txt"
     shifted = bench.read_protocol(folder) | {"seed": 7, "cfg_scale": 2.5, "steps": 3}
     cfg = load_config(PRESET, bench.apply_protocol(shifted, folder, []))
     assert (cfg.seed, cfg.sampling.eval_cfg_scale, cfg.sampling.eval_num_steps) == (7, 2.5, 3)
