@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -91,9 +92,12 @@ def apply_protocol(protocol: dict, folder: Path, overrides: list[str]) -> list[s
     return [*overrides, *untrained, *sorted(pinned), f"data.eval_prompts={prompts}"]
 
 
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
 def _gain(before: list[float], after: list[float]) -> dict:
-    g = paired(before, after)
-    return {"base": sum(before) / len(before), "checkpoint": sum(after) / len(after), **g}
+    return {"base": _mean(before), "checkpoint": _mean(after), **paired(before, after)}
 
 
 def summarize(prompts: list[str], metadata: list[dict], tags: list[str], base: list[float],
@@ -155,6 +159,11 @@ def render(report: dict) -> str:
         mean = " (per image: the checkpoints' mean)" if len(stats["runs"]) > 1 else ""
         for tag, rows in stats["tags"].items():
             lines += ["", f"### By {tag}{mean}", "", *_table(rows, tag)]
+    lines += ["", "Each reward's mean (base, then each checkpoint): " + "; ".join(
+        f"{name} {c['base']:.4f}" + "".join(f" | {x:.4f}" for x in c["checkpoints"])
+        for name, c in report["components"].items()) + "."]
+    lines += ["", *(f"![{c['path']}]({c['grid']}) (rows: prompts; columns: base | checkpoint)"
+                    for c in report["checkpoints"])]
     lines += ["", "Gain: mean of the per-image differences (checkpoint - base, on the same noise); SE: its standard "
                   "error (n - 1); higher: the share of images that score higher.", "",
               "## Provenance", "", f"- date: {report['date']}", f"- command: `{' '.join(report['command'])}`",
@@ -190,6 +199,7 @@ def bench(config: str, suite: str, checkpoints: list[str], weights: str = "auto"
     stats = summarize(first["prompts"], first["metadata"], protocol["tags"], first["base"]["per_image"],
                       [r["checkpoint"]["per_image"] for r in results if r["checkpoint"]])
     s = cfg.sampling
+    where = Path(out) if out else Path(first["dir"])
     source = (folder / "SOURCE.md").read_text().strip().splitlines() if (folder / "SOURCE.md").is_file() else []
     report = {
         "suite": {"name": folder.name, "path": str(folder), "prompts": len(first["prompts"]),
@@ -200,13 +210,19 @@ def bench(config: str, suite: str, checkpoints: list[str], weights: str = "auto"
                      "shift": s.shift, "eval_seeds": cfg.logging.eval_seeds, "seed": cfg.seed, "eta": 0.0},
         "rewards": cfg.rewards,
         "checkpoints": [{"path": r["checkpoint"]["path"], "step": r["checkpoint"]["step"],
-                         "weights": r["checkpoint"]["weights"], "dir": r["dir"]} for r in results if r["checkpoint"]],
+                         "weights": r["checkpoint"]["weights"], "dir": r["dir"],
+                         "grid": os.path.relpath(Path(r["dir"]) / "grid.png", where)}  # relative: the page moves
+                        for r in results if r["checkpoint"]],
         "stats": stats,
+        # each reward's own mean (the weighted total above mixes them): base, then each checkpoint
+        "components": {name: {"base": _mean(images),
+                              "checkpoints": [_mean(r["checkpoint"]["components"][name]) for r in results
+                                              if r["checkpoint"]]}
+                       for name, images in first["base"]["components"].items()},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": sys.argv, "code": manifest.code_version(), "packages": manifest.packages(),
         "device": manifest.device_name(dev.device_for_local_rank(0)),
     }
-    where = Path(out) if out else Path(first["dir"])
     where.mkdir(parents=True, exist_ok=True)
     (where / "report.json").write_text(json.dumps(report, indent=1, default=str))
     (where / "report.md").write_text(render(report))

@@ -1,7 +1,9 @@
 """flux-grpo bench end to end on the tiny world: a 1-step 2-process run writes a checkpoint, then the bench of the
 tiny suite (assets/suites/tiny: 4 tagged prompts x 2 seeds) samples the base model and the checkpoint under the
 suite's protocol, scores them with the tiny preset's rewards and writes report.json and report.md beside the run.
-The test checks the protocol recorded and every paired number against the per-image rewards of scores.json."""
+The test checks the protocol recorded and every paired number against the per-image rewards of scores.json. With
+-m slow (each a further bench or two, 3 to 25 s each on 2 shared cores): several checkpoints' joint report, and a
+bench scored by a served reward."""
 
 from __future__ import annotations
 
@@ -72,10 +74,14 @@ def test_bench_writes_the_protocol_and_the_paired_statistics_beside_the_run(trai
         assert (row["mean"], row["se"], row["higher"]) == _paired([base[j] for j in idx], [after[j] for j in idx])
     assert {k: v["n"] for k, v in report["stats"]["tags"]["shape"].items()} == {"circle": 4, "square": 2,
                                                                                  "triangle": 2}
+    tiny = scores["checkpoint"]["components"]["tiny_world"]
+    assert report["components"]["tiny_world"]["checkpoints"] == [sum(tiny) / len(tiny)]
     md = (out / "report.md").read_text()
+    assert "![" in md and "](grid.png)" in md  # the grid beside the page, linked relatively
     assert "### By color" in md and f"{mean:+.4f}" in md and '"resolution": 64' in md
 
 
+@pytest.mark.slow
 def test_several_checkpoints_get_a_joint_report_with_their_spread(trained, tmp_path):
     """The same checkpoint twice (as two training seeds would be given): equal gains, no spread between them; each
     keeps its folder beside its run, the joint report goes to out=; without out= it is refused (exit 2)."""
@@ -90,6 +96,7 @@ def test_several_checkpoints_get_a_joint_report_with_their_spread(trained, tmp_p
     assert "Between the 2 checkpoints" in (tmp_path / "joint" / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_served_reward_scores_the_bench_as_the_local_one(trained, tmp_path):
     """The suite's metadata reaches a reward served by `tools.rewards serve` (tiny_world_meta scores the scene the
     metadata names, and refuses rows without it): the remote bench's per-image rewards are the local bench's, up to

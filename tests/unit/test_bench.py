@@ -88,13 +88,16 @@ def test_the_report_arithmetic_on_hand_values():
     assert (alone["runs"], alone["spread"]) == ([], None)
     assert alone["tags"]["t"] == {"x": {"n": 2, "base": 2.0}, "y": {"n": 2, "base": 3.0}}
     assert "| x | 2 | 2.0000 |" in bench.render(_report(alone))
-    assert "| x | 2 | 2.0000 | 2.7500 | +0.7500 | 0.2500 | 100% |" in bench.render(_report(s))
+    md = bench.render(_report(s))
+    assert "| x | 2 | 2.0000 | 2.7500 | +0.7500 | 0.2500 | 100% |" in md and "r 2.5000 | 3.0000 | 2.7500" in md
 
 
 def _report(stats: dict) -> dict:
     return {"suite": {"name": "hand", "path": "p", "prompts": 2, "source": "s"}, "protocol": {"seeds_per_prompt": 2},
-            "settings": {"model": "m"}, "rewards": {"r": 1.0}, "checkpoints": [{"path": "a"}, {"path": "b"}],
-            "stats": stats, "date": "d", "command": ["c"], "code": None, "packages": {}, "device": "cpu"}
+            "settings": {"model": "m"}, "rewards": {"r": 1.0},
+            "checkpoints": [{"path": "a", "grid": "a.png"}, {"path": "b", "grid": "b.png"}], "stats": stats,
+            "components": {"r": {"base": 2.5, "checkpoints": [3.0, 2.75]}}, "date": "d", "command": ["c"],
+            "code": None, "packages": {}, "device": "cpu"}
 
 
 def test_the_shipped_suites_read():
