@@ -38,6 +38,8 @@ GROUPS: dict[str, dict[str, Command]] = {
     },
     "evaluate and ship": {
         "eval": Command("tools.eval:main", "evaluate a checkpoint offline on held-out prompts"),
+        "bench": Command("tools.bench:main", "a prompt suite under its pinned protocol: base vs checkpoint paired, "
+                                             "report.md and report.json"),
         "compare": Command("tools.compare:main", "paired gains and differences of tools.eval's scores.json files"),
         "export": Command("tools.export:main", "export a training checkpoint to plain diffusers weights"),
         "report": Command("tools.report:main", "a run's markdown page: curves, held-out table, throughput, "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -149,23 +150,27 @@ def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weight
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m tools.eval CONFIG [checkpoint=PATH] [weights=auto|ema|model] [out=DIR] [key=value ...]`."""
+def config_tool(argv: list[str] | None, doc: str, keys: tuple[str, ...],
+                body: Callable[[str, dict[str, str], list[str]], str]) -> int:
+    """The command line of a tool `CONFIG [key=value ...]`: help, logging, then ``body(config, own, overrides)`` (own:
+    {key: value} of the tool's own `keys`; overrides: the rest, for the preset) under run_command (exit 2, one line)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
+        print(doc)
         return 0 if argv else 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    mine = ("checkpoint=", "weights=", "out=")
+    mine = tuple(f"{k}=" for k in keys)
     own = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv[1:] if a.startswith(mine)}
-    overrides = [a for a in argv[1:] if not a.startswith(mine)]
+    return run_command(lambda: body(argv[0], own, [a for a in argv[1:] if not a.startswith(mine)]))
 
-    def body() -> str:
-        cfg = load_config(argv[0], overrides)
-        return evaluate_checkpoint(cfg, own.get("checkpoint") or None, own.get("weights", "auto"),
-                                   own.get("out") or None)["dir"]
 
-    return run_command(body)
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tools.eval CONFIG [checkpoint=PATH] [weights=auto|ema|model] [out=DIR] [key=value ...]`."""
+    def body(config: str, own: dict[str, str], overrides: list[str]) -> str:
+        return evaluate_checkpoint(load_config(config, overrides), own.get("checkpoint") or None,
+                                   own.get("weights", "auto"), own.get("out") or None)["dir"]
+
+    return config_tool(argv, __doc__, ("checkpoint", "weights", "out"), body)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def test_every_tool_with_a_main_is_a_command_and_every_target_exists():
 def test_the_commands_are_listed_in_their_groups():
     assert {group: list(commands) for group, commands in cli.GROUPS.items()} == {
         "train and inspect": ["train", "check", "plan", "prompts"],
-        "evaluate and ship": ["eval", "compare", "export", "report", "rewards"],
+        "evaluate and ship": ["eval", "bench", "compare", "export", "report", "rewards"],
         "porting to NPU": ["align", "npu-audit", "device-check"],
         "launcher plumbing": ["torchrun", "deepspeed-run"],
     }
