@@ -73,12 +73,15 @@ def peak_tflops(device_name: str, override: float | None = None) -> tuple[float 
                   "perf.peak_tflops to the device's dense TFLOP/s in the trained precision to log perf/mfu/*")
 
 
-def forward_flops(family: ModelFamily, model_path: str | Path, image_tokens: int, text_tokens: int) -> int:
+def forward_flops(family: ModelFamily, transformer: str | Path | torch.nn.Module, image_tokens: int,
+                  text_tokens: int) -> int:
     """Model FLOPs of one transformer forward of one image: `image_tokens` noisy (+ reference) tokens and
     `text_tokens` prompt tokens, counted by FlopCounterMode on the meta-device transformer (the count is linear in
-    the batch, so one image is the unit)."""
-    model = family.meta_transformer(str(model_path))
-    inputs = family.example_inputs(dict(model.config), 1, image_tokens, text_tokens, torch.float32)
+    the batch, so one image is the unit). `transformer`: a model folder (its transformer/config.json), or a
+    transformer already built on the meta device (tools.plan's, from a config alone)."""
+    model = transformer if isinstance(transformer, torch.nn.Module) else family.meta_transformer(str(transformer))
+    dtype = next(model.parameters()).dtype
+    inputs = family.example_inputs(dict(model.config), 1, image_tokens, text_tokens, dtype)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model(**inputs)
     return counter.get_total_flops()
