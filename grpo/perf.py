@@ -56,8 +56,9 @@ PEAK_TFLOPS: tuple[tuple[str, float, str], ...] = (
     ("H20", 148.0, "OEM sheets and verl's table: 148 TFLOPS bf16 dense (no public NVIDIA datasheet)"),
     # Huawei publishes no per-variant TFLOP/s; CANN's platform config of the part (Ascend910B2C.ini: ai_core_cnt=24,
     # cube_freq=1800 MHz, a 16x16x16 cube) gives 24 x 1.8e9 x 16^3 x 2 = 353.9 TFLOP/s fp16/bf16, verl's "910B" 354.
-    # The other 910B variants have other core counts and clocks: not listed (set perf.peak_tflops).
-    ("Ascend910B2", 353.9, "CANN platform config Ascend910B2(C).ini: 24 cube cores x 1.8 GHz x 16^3 x 2"),
+    # The other 910B variants (B1, B2, B3, B4) have their own core counts and clocks, whose platform configs were not
+    # at hand: not listed, rather than guessed (set perf.peak_tflops; verl's table gives every 910B 354).
+    ("Ascend910B2C", 353.9, "CANN platform config Ascend910B2C.ini: 24 cube cores x 1.8 GHz x 16^3 x 2"),
 )
 
 
