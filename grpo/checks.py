@@ -277,6 +277,9 @@ def _validate_run_control(cfg: RecipeSettings) -> None:
         raise ConfigError(f"checkpoint.keep: {cfg.checkpoint.keep}; keep at least 1 checkpoint")
     if cfg.checkpoint.resume is not None and not cfg.checkpoint.resume.strip():
         raise ConfigError("checkpoint.resume: empty; use null (new run), auto, or a checkpoint folder")
+    if cfg.perf.peak_tflops is not None:
+        _positive(cfg.perf.peak_tflops, "perf.peak_tflops", "the device's dense TFLOP/s, e.g. 989.4 (H100 SXM, bf16); "
+                  "or null for the table's")
     if cfg.ema.decay is not None and not 0 < cfg.ema.decay < 1:
         raise ConfigError(f"ema.decay: {cfg.ema.decay} must be in (0, 1), e.g. 0.99; or null for no EMA")
     if cfg.faults.max_consecutive_skips < 1:

@@ -80,15 +80,24 @@ class RolloutPlan:
         objective's extra update blocks (grpo's replay block): `extra_blocks` of them, as many as ran (the recipe),
         or by default as many as the objective expects (the planner, the benchmarks). A tree pays once per node,
         shared by the images under it."""
+        return sum(self.phase_forwards(step, extra_blocks).values())
+
+    def phase_forwards(self, step: int, extra_blocks: int | None = None) -> dict[str, float]:
+        """:meth:`forwards_per_image` split by the step's timed phases (the recipe's clock): "rollout" (candidate
+        preview and the trajectories' sampling) and "update" (the fixed targets' no-grad forwards: reference and
+        lagging policy; the trained points' forward and backward; the extra blocks). What grpo.perf turns into
+        FLOPs per phase."""
         # True CFG: a guided velocity is its two branches, two calls on the same rows
         sampled, trained = self.cfg.sampling.sampled_calls, self.cfg.sampling.trained_calls
         per_point = self.objective.forwards_per_point()
         if self.tree is not None:  # grpo's: its rollout and its update call the same (guided) velocity
-            on_policy = trained * self.tree.forwards_per_image(self.tree.trained(), per_point)
+            rollout = trained * self.tree.rollout_calls_per_image()
+            update = trained * self.tree.trained_forwards_per_image(self.tree.trained(), per_point)
         else:
-            on_policy = (sampled * (self.preview_calls() + self.rollout_calls(self.window(step)))
-                         + trained * self.trained_per_trajectory * per_point)
-        return on_policy + trained * self.objective.extra_forwards_per_image(step, extra_blocks)
+            rollout = sampled * (self.preview_calls() + self.rollout_calls(self.window(step)))
+            update = trained * self.trained_per_trajectory * per_point
+        return {"rollout": rollout, "update": update + trained * self.objective.extra_forwards_per_image(step,
+                                                                                                      extra_blocks)}
 
     def preview_calls(self) -> float:
         """Candidate selection's preview per trained image: pool / group_size candidates of preview_steps calls."""

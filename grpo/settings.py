@@ -338,6 +338,13 @@ class ProfileConfig:
 
 
 @dataclass(kw_only=True)
+class PerfConfig:
+    peak_tflops: float | None = setting(None, help="the device's peak dense TFLOP/s in the trained precision, for "
+                                                   "perf/mfu/*; null = from grpo/perf.py's table of accelerators "
+                                                   "(unknown devices and CPUs: MFU is not logged)")
+
+
+@dataclass(kw_only=True)
 class RecipeSettings:
     """Every section of the recipe's settings but the objective's own, which RecipeConfig (grpo/config.py) adds from
     the registry; `algorithm` names that objective (RecipeConfig checks it against the registry)."""
@@ -364,3 +371,4 @@ class RecipeSettings:
     faults: FaultsConfig = setting(resume=FREE, help="handling of non-finite steps and hung ranks")
     profile: ProfileConfig = setting(resume=FREE, factory=ProfileConfig, help="torch.profiler traces")
     export: ExportConfig = setting(resume=FREE, factory=ExportConfig, help="the final weights' file formats")
+    perf: PerfConfig = setting(resume=FREE, factory=PerfConfig, help="model FLOPs utilisation (grpo/perf.py)")

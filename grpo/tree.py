@@ -67,8 +67,15 @@ class Tree:
     def forwards_per_image(self, trained: list[int], per_trained: int) -> float:
         """Transformer forward-equivalents per sample of one step: one rollout call per node and step, and
         `per_trained` per node at each trained transition (a forward and a backward = 3)."""
-        rollout = sum(self.nodes(d) for d in range(self.num_steps))
-        return (rollout + per_trained * sum(self.nodes(j) for j in trained)) / self.leaves
+        return self.rollout_calls_per_image() + self.trained_forwards_per_image(trained, per_trained)
+
+    def rollout_calls_per_image(self) -> float:
+        """The rollout's share: one call per node and step, shared by the leaves under it."""
+        return sum(self.nodes(d) for d in range(self.num_steps)) / self.leaves
+
+    def trained_forwards_per_image(self, trained: list[int], per_trained: int) -> float:
+        """The update's share: `per_trained` per node at each trained transition, shared by the leaves under it."""
+        return per_trained * sum(self.nodes(j) for j in trained) / self.leaves
 
 
 def depth_advantages(rewards: Tensor, tree: Tree, clip: float | None,

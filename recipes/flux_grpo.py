@@ -90,7 +90,7 @@ from grpo import checkpoint as ckpt
 from grpo import device as dev
 from grpo import engine as eng
 from grpo import eval as evals
-from grpo import export, health, lora_files
+from grpo import export, health, lora_files, perf
 from grpo import lock as out_lock
 from grpo import run_control
 from grpo.best import Best, HeldOut, below_best, definition
@@ -104,7 +104,7 @@ from grpo.models.blocks import compile_blocks, compile_seconds, enable_checkpoin
 from grpo.inputs import check_inputs
 from grpo.loading import transformer_loader
 from grpo.loss import poison_nonfinite
-from grpo.manifest import RunManifest
+from grpo.manifest import RunManifest, device_name
 from grpo.metrics import MetricsLogger, progress, save_grid
 from grpo.profiling import PhaseClock, StepProfiler
 from grpo.prompts import ensure_cache, ensure_negative, ensure_references, load_cache, read_prompt_set
@@ -189,6 +189,7 @@ class FluxGRPORecipe:
         dev.set_attention_backend(parts.transformer, cfg.model.attention_backend)
         self.sampler = FluxSampler.from_parts(parts, self.vae, cfg.sampling, cfg.seed, self.device, self.dtype)
         self.rewards = build_rewards(cfg.rewards, self.device)
+        self.throughput = self._throughput()  # perf/* metrics: one forward's model FLOPs, the device's peak
         # resuming a checkpoint of another world size: DeepSpeed loads it as a universal checkpoint (grpo/checkpoint/)
         self.engine, self.scheduler = build_policy(parts.transformer, cfg,
                                                    ckpt.engine_config(self.ds_config, self.resume_from, self.world),
@@ -227,6 +228,20 @@ class FluxGRPORecipe:
                                       ensure_negative(self.model_path, self.cfg.sampling, d, self.device))
         self.train_prompts = caches["train"]
         self.eval_prompts = caches.get("eval")
+
+    def _throughput(self) -> perf.Throughput:
+        """One transformer forward's model FLOPs per image at this run's shapes (the noisy tokens, a row's reference
+        images' tokens, the cached prompts' length), counted on the meta device, and the device's peak
+        (grpo/perf.py)."""
+        cache = self.train_prompts
+        refs = 0 if cache.references is None else cache.reference_index.shape[1] * cache.references.shape[1]
+        flops = perf.forward_flops(self.family, self.model_path, (self.sampler.latent_size // 2) ** 2 + refs,
+                                   cache.embeds["prompt_embeds"].shape[1])
+        peak, source = perf.peak_tflops(device_name(self.device), self.cfg.perf.peak_tflops)
+        throughput = perf.Throughput(flops, peak, self.world)
+        if self.rank == 0:
+            log.info(throughput.describe(source))
+        return throughput
 
     def _setup_run_state(self) -> None:
         """EMA, the lagging policy (nft, awm), the checkpoint to resume from (weights, optimizer, RNG, counters, the
@@ -337,10 +352,13 @@ class FluxGRPORecipe:
                    "time/update_images_per_s": n / clock.seconds["train"]}
         if self.cfg.model.compile:  # compile time is part of the phases' times above; reported apart
             timings["time/compile_s"] = compile_seconds() - compiling
-        # Transformer compute per image in forward-equivalents (a backward counts 2): what strategies trade.
-        cost = self.plan.forwards_per_image(step, extra_blocks=update.extra_blocks)
+        # Transformer compute per image in forward-equivalents (a backward counts 2) per phase: what strategies
+        # trade, and with one forward's FLOPs each phase's model TFLOP/s and MFU (grpo/perf.py)
+        forwards = self.plan.phase_forwards(step, extra_blocks=update.extra_blocks)
+        timings.update(self.throughput.metrics(forwards, n, {"rollout": clock.seconds["rollout"],
+                                                             "update": clock.seconds["train"]}))
         return StepResult(chunks, rewards, advantages, {**starts.stats, **reward_stats, **adv_stats, **update.metrics(),
-                                                        **timings, "forwards_per_image": float(cost)})
+                                                        **timings, "forwards_per_image": float(sum(forwards.values()))})
 
     # ---------------------------------------------------------------------------------------------- rollout
     @torch.no_grad()

@@ -564,6 +564,24 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
     return Plan(devices, resident, phases, host, notes, n_params, n_train, seq_tokens)
 
 
+def flops_line(cfg: RecipeConfig, p: Plan) -> str:
+    """The step's model FLOPs per phase (grpo/perf.py, as the recipe logs them): what perf/tflops/* divide by the
+    phases' seconds and the devices. The command's alone: counting a real model's forward on the meta device takes
+    seconds, which plan()'s many callers (the advice, the tests) need not pay."""
+    from grpo.perf import forward_flops
+    from grpo.rollout_plan import RolloutPlan
+
+    config, _ = model_configs(cfg.model.path, cfg.model.revision)
+    family = model_family(cfg.model.path, config, cfg.model.revision)
+    forward = forward_flops(family, meta_transformer(config, torch.float32), p.image_tokens,
+                            cfg.data.max_sequence_length)
+    images = derive_layout(cfg, p.devices).samples_per_step
+    per_step = ", ".join(f"{k} {v * forward * images / 1e15:.4g} PFLOP"
+                         for k, v in RolloutPlan.of(cfg).phase_forwards(0).items())
+    return (f"model FLOPs: {forward / 1e12:.4g} TFLOP per transformer forward and image; step 0's {images} images: "
+            f"{per_step} (perf/tflops/* in the run's metrics: these / the phase's seconds / devices)")
+
+
 # ------------------------------------------------------------------------------------------------------ output
 def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
@@ -682,8 +700,9 @@ def main(argv: list[str] | None = None) -> int:
         memory = parse_bytes(args.device_memory)
         if args.devices < 1:
             raise ConfigError("--devices: must be >= 1")
-        p = plan(load_config(args.config, args.overrides), args.devices)
-        lines = report(p, memory, args.headroom)
+        cfg = load_config(args.config, args.overrides)
+        p = plan(cfg, args.devices)
+        lines = report(p, memory, args.headroom) + [flops_line(cfg, p)]
         if p.peak > memory * (1 - args.headroom):
             lines += advise(args.config, args.overrides, args.devices, memory, args.headroom)
         return "\n".join(lines)

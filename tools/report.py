@@ -26,8 +26,10 @@ from grpo.manifest import MANIFEST
 from grpo.metrics import CURVE, _read_rows
 from tools.compare import paired
 
-PHASES = (("rollout", "time/rollout_s", "time/rollout_images_per_s"), ("reward", "time/reward_s", None),
-          ("update", "time/update_s", "time/update_images_per_s"), ("step", "step_time_s", "samples_per_s"))
+# (phase, its seconds, its images/s, its perf/* suffix: model TFLOP/s per device and MFU, grpo/perf.py)
+PHASES = (("rollout", "time/rollout_s", "time/rollout_images_per_s", "rollout"), ("reward", "time/reward_s", None, None),
+          ("update", "time/update_s", "time/update_images_per_s", "update"),
+          ("step", "step_time_s", "samples_per_s", None))
 
 
 def _num(v, digits: int = 4) -> str:
@@ -97,12 +99,19 @@ def _throughput(rows: list[dict]) -> list[str]:
     if not steady:
         return []
     table = []
-    for name, seconds, rate in PHASES:
+    for name, seconds, rate, perf in PHASES:
         s = _mean([r.get(seconds) for r in steady])
         if s is not None:
-            table.append([name, _num(s, 3), _num(_mean([r.get(rate) for r in steady]), 2) if rate else "–"])
+            tflops = _mean([r.get(f"perf/tflops/{perf}") for r in steady]) if perf else None
+            mfu = _mean([r.get(f"perf/mfu/{perf}") for r in steady]) if perf else None
+            table.append([name, _num(s, 3), _num(_mean([r.get(rate) for r in steady]), 2) if rate else "–",
+                          _num(tflops, 3), "–" if mfu is None else f"{100 * mfu:.1f}%"])
+    logged = any(k.startswith("perf/mfu/") for r in steady for k in r)
+    note = ("Model TFLOP/s are per device (the transformer's forwards and backwards, grpo/perf.py); MFU is over the "
+            "device's peak" + ("." if logged else ", not logged: the device's peak is not known (set "
+                               "perf.peak_tflops)."))
     return ["## Throughput", "", f"Means over {len(steady)} step(s){' after the first' if len(train) > 1 else ''}:",
-            "", *_table(["phase", "seconds", "images/s"], table), ""]
+            "", *_table(["phase", "seconds", "images/s", "model TFLOP/s", "MFU"], table), "", note, ""]
 
 
 def _manifest(run: Path) -> list[str]:

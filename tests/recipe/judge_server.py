@@ -10,7 +10,8 @@ error. The answer (see `rating`): "Score: S" with S = 10 x the mean of the image
 word of the text (red, green or blue), 2 decimals, so it checks the image's pixels, its channel order and that the
 prompt reached the text; with several images (an edit's source first, the image to rate last) S is 10 x the mean
 absolute difference of that channel between the first and the last; a text containing "ramble" gets a sentence
-instead of the format.
+instead of the format; a text asking for UnifiedReward's point-wise scores ("Alignment Score (1-5)") gets its three
+lines, alignment 1 + 4 x that mean / 255 and style 5 - 4 x it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def rating(images: list[np.ndarray], text: str) -> str:
     colour = re.search(r"\b(red|green|blue)\b", text)
     channel = CHANNELS[colour.group(1)] if colour else 0
     last = images[-1][..., channel].astype(np.float64)
+    if "Alignment Score (1-5)" in text:  # UnifiedReward's point-wise format (docs/rewards.md)
+        return (f"Alignment Score (1-5): {1 + 4 * last.mean() / 255:.2f}\nCoherence Score (1-5): 3\n"
+                f"Style Score (1-5): {5 - 4 * last.mean() / 255:.2f}")
     if len(images) > 1:
         return f"Score: {10 * np.abs(last - images[0][..., channel]).mean() / 255:.2f}"
     return f"Score: {10 * last.mean() / 255:.2f}"

@@ -10,6 +10,8 @@ import pytest
 
 from benchmarks import zero3_memory as zm
 from grpo.config import load_config
+from grpo.models import family_of
+from grpo.perf import forward_flops
 from tools import plan as P
 from tests import ROOT, TINY
 from tests.unit.test_plan import TINY_LORA
@@ -48,6 +50,10 @@ def test_cli_says_what_to_change_when_it_does_not_fit():
     assert "lora.rank=128" in fixes.split(": ", 1)[1].split(" | ")
     fits = _cli(TINY_LORA, "--devices", "2", "--device-memory", "64GB", f"model.path={TINY}")
     assert fits.returncode == 0 and ": fits" in fits.stdout and "what each change" not in fits.stdout
+    # the step's model FLOPs (grpo/perf.py): one forward of the tiny FLUX.1 at 64 px (its VAE: /4, then 2x2 packing:
+    # 8 x 8 tokens) and 32 text tokens
+    forward = forward_flops(family_of(TINY), TINY, 8 * 8, 32)
+    assert f"model FLOPs: {forward / 1e12:.4g} TFLOP per transformer forward and image" in fits.stdout
 
 
 def test_cli_reports_config_errors_in_one_line():
@@ -62,6 +68,8 @@ import json, sys, torch
 from deepspeed.utils import safe_get_full_fp32_param
 from grpo import device as dev, engine as eng
 from grpo.config import load_config
+from grpo.models import family_of
+from grpo.perf import forward_flops
 from grpo.layout import derive_layout
 from grpo.inputs import load_ds_config
 from tools._recipe import load_recipe

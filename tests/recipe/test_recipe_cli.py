@@ -9,6 +9,8 @@ import pytest
 import torch
 from diffusers import FluxPipeline, FluxTransformer2DModel
 
+from grpo.models import family_of
+from grpo.perf import forward_flops
 from tests import ROOT, TINY
 from tests.recipe.launch import run_script
 from tools.launch import free_port
@@ -16,7 +18,9 @@ from tools.launch import free_port
 FAST = ["batch.prompts_per_step=2", "sampling.group_size=4", "batch.micro_batch_size=4", "sampling.num_steps=4",
         "max_steps=2", "logging.sample_every=1", f"model.path={TINY}"]
 FIELDS = {"step", "reward_mean", "reward_std", "loss", "kl", "ratio_mean", "ratio_max_dev", "clip_frac", "grad_norm",
-          "lr", "step_time_s", "samples_per_s", "time/rollout_images_per_s", "time/update_images_per_s"}
+          "lr", "step_time_s", "samples_per_s", "time/rollout_images_per_s", "time/update_images_per_s",
+          "perf/tflops/rollout", "perf/tflops/update", "perf/mfu/rollout", "perf/mfu/update"}
+PEAK = 0.5  # perf.peak_tflops: a CPU has no peak in grpo/perf.py's table, so MFU is logged only with the override
 
 
 def _sha(path: Path) -> str:
@@ -33,14 +37,22 @@ def launch(config: str, out, *extra: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("kind", [pytest.param("lora", marks=pytest.mark.slow), "full"])
 def test_run_sh_trains_logs_and_exports(tmp_path, kind):
     out = tmp_path / "run"
-    proc = launch(f"recipes/configs/tiny/grpo_{kind}.yaml", out)
+    proc = launch(f"recipes/configs/tiny/grpo_{kind}.yaml", out, f"perf.peak_tflops={PEAK}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train] == [0, 1]
+    # one forward's model FLOPs at the run's shapes (64 px: the tiny VAE's latent grid; 32 prompt tokens)
+    vae = json.loads((TINY / "vae" / "config.json").read_text())
+    side = 64 // 2 ** (len(vae["block_out_channels"]) - 1) // 2
+    forward = forward_flops(family_of(TINY), TINY, side * side, 32)
     for r in train:
         assert FIELDS <= set(r), FIELDS - set(r)
         assert r["ratio_max_dev"] <= 1e-5
+        # perf/*: the phases' model FLOPs over their times, per device (2), add up to the plan's forwards per image
+        done = sum(r[f"perf/tflops/{p}"] * r[f"time/{p}_s"] for p in ("rollout", "update")) * 2 * 1e12 / 8
+        assert done == pytest.approx(r["forwards_per_image"] * forward, rel=1e-9)
+        assert all(r[f"perf/mfu/{p}"] == pytest.approx(r[f"perf/tflops/{p}"] / PEAK) for p in ("rollout", "update"))
     assert any("eval/reward_mean" in r for r in rows)
     assert (out / "config.yaml").is_file() and (out / "samples" / "step_00000.png").is_file()
     assert list((out / "tensorboard").iterdir())

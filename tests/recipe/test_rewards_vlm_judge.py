@@ -137,3 +137,39 @@ def test_dataset_fields_and_source_images_reach_the_judge(judge_url, tmp_path) -
         check_reward_metadata(spec, PromptSet(prompts, [rows[0], {"image": paths[1]}], ["line 1", "line 2"]),
                               "data.train_prompts", "edits.jsonl")
 
+
+
+# ------------------------------------------------------------------------ the reward recipes of docs/rewards.md
+def _answer(x: torch.Tensor, channel: int = 0) -> list[str]:
+    """The stand-in judge's answer to a text without colour words: "Score: S", S from the image's channel 0."""
+    return [f"Score: {s:.2f}" for s in _expected(x, [channel] * len(x)).tolist()]
+
+
+def test_unifiedreward_recipe_reads_the_alignment_score(judge_url) -> None:
+    """docs/rewards.md's UnifiedReward block as written (template, answer pattern, 1-5 range), only the server and
+    model swapped for the stand-in, whose answer to that template is UnifiedReward's three-line format."""
+    from tests.unit.test_reward_recipes import recipe
+
+    spec = {k: {**v, "url": judge_url, "model": "tiny-judge", "retries": 0} for k, v in recipe("unifiedreward").items()}
+    check_rewards(spec)
+    x = images(3, 24, 24, seed=6)
+    scores = build_rewards(spec, "cpu")(x, ["a red fox", "a green field", "a blue car"], [{}] * 3)[:, 0]
+    u8 = (x * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    expected = [float(f"{1 + 4 * a[..., c].mean() / 255:.2f}") for a, c in zip(u8, [0, 1, 2])]
+    torch.testing.assert_close(scores, torch.tensor(expected), atol=0, rtol=0)
+
+
+def test_ocr_recipe_scores_what_the_vlm_read_against_the_rows_text(judge_url) -> None:
+    """docs/rewards.md's OCR block with a VLM reader: the stand-in reads "Score: S" off each image; the reward is
+    Flow-GRPO's similarity of that to the row's text (exact, one edit away, absent)."""
+    from recipes.rewards.ocr import similarity
+    from tests.unit.test_reward_recipes import recipe
+
+    spec = {k: {**v, "url": judge_url, "model": "tiny-judge", "retries": 0} for k, v in recipe("ocr-vlm").items()}
+    check_rewards(spec)
+    x = images(3, 24, 24, seed=7)
+    read = _answer(x)
+    rows = [{"text": read[0]}, {"text": "Score: 9.99"}, {}]
+    scores = build_rewards(spec, "cpu")(x, ["a sign", "a poster", "a label"], rows)[:, 0]
+    assert scores[0] == 1.0 and scores[1] == pytest.approx(similarity(read[1], "Score: 9.99")) and scores[1] < 1
+    assert torch.isnan(scores[2])  # no target text: no score (the recipe skips that group)

@@ -99,6 +99,7 @@ NEW_SETTINGS = {
     "logging.collapse_alarm.sigmas": 3.0,  # new setting: the collapse alarm warns (grpo/best.py), training unchanged
     "logging.collapse_alarm.stop": False,  # ... and never stops the run
     "export.formats": ["diffusers"],  # new setting: the final LoRA in diffusers' format only, as before
+    "perf.peak_tflops": None,  # new setting: the device's peak from grpo/perf.py's table (MFU metrics only)
 }
 # The same for the lora section, in the presets that have one.
 NEW_LORA_SETTINGS = {

@@ -27,7 +27,8 @@ def run(tmp_path, monkeypatch):
         rows.append({"step": step, "reward_mean": 0.5 + 0.1 * step, "time/rollout_s": rollout,
                      "time/update_s": update, "time/rollout_images_per_s": 8 / rollout,
                      "time/update_images_per_s": 8 / update, "step_time_s": rollout + update,
-                     "samples_per_s": 8 / (rollout + update)})
+                     "samples_per_s": 8 / (rollout + update), "perf/tflops/rollout": 2.0 * step,
+                     "perf/mfu/rollout": 0.1 * step, "perf/tflops/update": 1.0 * step, "perf/mfu/update": 0.05 * step})
     rows.append({"step": 3, "eval/reward_mean": 0.75})
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     lora = out / "final" / "lora" / "pytorch_lora_weights.safetensors"
@@ -49,8 +50,10 @@ def test_the_page_holds_the_runs_numbers(run):
     assert page.startswith("# Run `my_run`")
     assert "| 3 | 0.7500 |" in page  # the held-out eval after step 3
     assert f"{gain['mean']:+.4f} ± {gain['se']:.4f}" in page and "| 3 (ema) | 0.3750 |" in page
-    assert "| rollout | 3.000 | 3.00 |" in page  # (2 + 4) / 2 s and (4 + 2) / 2 images/s: step 0 left out
-    assert "| update | 3.000 | 3.00 |" in page
+    # (2 + 4) / 2 s and (4 + 2) / 2 images/s, model TFLOP/s (2 + 4) / 2 and MFU (10% + 20%) / 2: step 0 left out
+    assert "| rollout | 3.000 | 3.00 | 3.000 | 15.0% |" in page
+    assert "| update | 3.000 | 3.00 | 1.500 | 7.5% |" in page
+    assert "MFU is over the device's peak." in page
     lora = out / "final" / "lora" / "pytorch_lora_weights.safetensors"
     assert f"{hashlib.sha256(lora.read_bytes()).hexdigest()}  final/lora/pytorch_lora_weights.safetensors" in page
     assert "| yes | 0 | 1 |" in page and "not a git checkout" in page  # the one start: finished, from 0, world 1
@@ -63,3 +66,12 @@ def test_main_writes_beside_the_run_and_refuses_a_non_run(run, tmp_path, capsys)
     assert main([str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "no metrics.jsonl" in err and err.count("\n") == 1
+
+
+def test_without_a_known_peak_the_page_says_why_mfu_is_missing(run):
+    out, _ = run
+    rows = [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/mfu/")}
+            for line in (out / "metrics.jsonl").read_text().splitlines()]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    page = report(out)
+    assert "| rollout | 3.000 | 3.00 | 3.000 | – |" in page and "set perf.peak_tflops" in page
