@@ -8,7 +8,8 @@ forward-equivalents per image (grpo/rollout_plan.py: RolloutPlan.phase_forwards,
 velocity, the reference's and the lagging policy's no-grad forwards, the extra update blocks) x the step's images.
 The forward is counted once at start-up by torch's own counter (torch.utils.flop_counter.FlopCounterMode: the
 matmuls and attention the transformer dispatches) on a copy built from its config.json on the meta device: no
-weights, no memory, well under a second; it works for every family in grpo/models/ (FLUX.1, Kontext, FLUX.2, FLUX.3;
+weights, no memory (under a second for the tiny worlds, about 8 s of dispatch for FLUX.1-dev on a 2-core CPU); it
+works for every family in grpo/models/ (FLUX.1, Kontext, FLUX.2, FLUX.3;
 tests/unit/test_perf.py checks it against a closed form on the tiny FLUX.1). Conventions, as PaLM's MFU (Chowdhery et
 al. 2022, appendix B) and verl's:
   - a backward counts two forwards (RolloutPlan: a trained point is 3); LoRA's frozen weights get no weight gradient,
