@@ -20,11 +20,13 @@ import torch
 
 from grpo.config import RecipeConfig
 from grpo.data import EVAL_NOISE, micro_batches
+from grpo.prompt_sets import PromptSet
 from grpo.prompts import PromptCache
 from grpo.rollout import FluxSampler
 
-def eval_images(cache: PromptCache, cfg: RecipeConfig) -> int:
-    """How many images an eval draws: `logging.eval_seeds` per held-out prompt."""
+def eval_images(cache: PromptCache | PromptSet, cfg: RecipeConfig) -> int:
+    """How many images an eval draws: `logging.eval_seeds` per held-out prompt (of the cache, or of the prompt set
+    it is encoded from)."""
     return len(cache) * cfg.logging.eval_seeds
 
 
