@@ -1,7 +1,7 @@
 """Benchmark a checkpoint on a prompt suite under the suite's pinned protocol: base vs checkpoint, paired, with reports.
 
     python -m tools.bench CONFIG suite=NAME|PATH [checkpoint=RUN_OR_CKPT[,RUN_OR_CKPT...]] [weights=auto|ema|model]
-                          [out=DIR] [key=value ...]
+                          [out=DIR] [nproc=N] [key=value ...]
 
 A suite is a folder (NAME: ``assets/suites/NAME``) holding its prompts (a prompt set: .jsonl with per-prompt
 metadata, .txt, ...), its licence and source (``SOURCE.md``, ``LICENSE``) and ``protocol.yaml``, which pins how its
@@ -17,7 +17,11 @@ base alone): tools.eval's ``grid.png`` and ``scores.json`` (``python -m tools.co
 ``report.md``: the protocol, the package versions and code commit, the mean reward, the paired gain with its standard
 error and share of images up, per tag value. Several checkpoints (e.g. one per training seed) each get their folder;
 the joint report, with the spread of the gains between them (tools.compare.spread), goes to ``out=DIR`` (required).
-One process; a rerun samples again (no sharding, no resume).
+
+``nproc=N``: the checks here, then N processes under tools.torchrun (or start it under torchrun yourself), each
+sampling and scoring its shards of the images; the same images and rewards on any N (tools/shards.py). Finished
+shards are kept under each results folder's ``shards/``, keyed by a hash of everything they depend on: a rerun
+samples only what is left, and never reuses the shards of another protocol, setting or checkpoint.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Evaluate a checkpoint offline: held-out prompts from the base model and from the checkpoint, scored by the rewards.
 
-The held-out prompts are sampled (eta = 0, fixed noise) in one process without DeepSpeed.
+The held-out prompts are sampled (eta = 0, fixed noise) without DeepSpeed's engine, in one process or in shards
+over N (``nproc=N``: tools/shards.py; the same images and scores on any N), each finished shard kept under the
+results' ``shards/`` so that a rerun samples only what is left.
 
-    python -m tools.eval CONFIG [checkpoint=PATH] [weights=auto|ema|model] [out=DIR] [key=value ...]
+    python -m tools.eval CONFIG [checkpoint=PATH] [weights=auto|ema|model] [out=DIR] [nproc=N] [key=value ...]
 
 checkpoint: a checkpoint folder or a run folder (default: the newest valid checkpoint under output_dir; the base
 model only when there is none). weights: auto (the EMA's when the checkpoint has them), ema or model. Writes
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import NamedTuple
@@ -143,11 +146,12 @@ def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weight
     if resumed:
         log.info("rank %d: %d of its %d shards already done under %s (resumed)", rank, resumed,
                  len(mine) * len(stores), out / "shards")
+    # Rank 0 encodes missing prompt caches while the others wait, as the recipe does (they would write the same
+    # files), when any shard is left: every rank reads the same answer, as nothing is written before this barrier.
+    if rank == 0 and any(not store.done(k) for store in stores.values() for k in range(len(shards))):
+        _prompt_cache(cfg, model_path, rows, device)
+    barrier(world)
     if any(todo.values()):
-        # rank 0 encodes what is missing while the others wait, as the recipe does (they would write the same file)
-        if rank == 0:
-            _prompt_cache(cfg, model_path, rows, device)
-        barrier(world)
         cache = _prompt_cache(cfg, model_path, rows, device)
         parts = family_of(model_path).load_parts(model_path, vae_dtype=dev.resolve_dtype(cfg.model.dtype),
                                                  transformer_dtype=dtype)
@@ -238,7 +242,8 @@ def config_tool(argv: list[str] | None, doc: str, keys: tuple[str, ...],
     try:
         code = run_command(run)
     finally:
-        leave()  # a rank of a job: the process group goes while the interpreter is whole (grpo/distributed.py)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a rank of a job (tools.shards.join): the process group
+            leave()  # goes while the interpreter is whole (grpo/distributed.py); a caller's own group is kept
     return job[0] if job else code
 
 

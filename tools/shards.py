@@ -68,7 +68,8 @@ def relaunch(module: str, argv: list[str], nproc: int) -> int:
     if kind != "cpu" and nproc > count:
         raise ConfigError(f"nproc: {nproc}, but this machine has {count} {kind} devices; use nproc={count} or fewer")
     threads = None if kind != "cpu" or "OMP_NUM_THREADS" in os.environ else max(1, (os.cpu_count() or 1) // nproc)
-    # accelerator None: DeepSpeed detects the device as for the recipe (unset stays unset)
+    # accelerator None: DeepSpeed detects the device as for the recipe (unset stays unset). launch_env also sets
+    # HF_HUB_OFFLINE: the check here resolved the model (a download, if any, happened once, in this process).
     env = launch_env(accelerator=None, job=False, threads=threads)
     cmd = torchrun_cmd(nproc, ["-m", module, *argv])
     log.info("%s x %d processes: %s", kind, nproc, " ".join(cmd))

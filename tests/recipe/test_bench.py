@@ -132,8 +132,8 @@ def test_bench_on_two_processes_writes_the_protocol_and_the_paired_statistics_be
 def test_one_process_gives_the_same_images_and_a_rerun_does_only_what_is_left(trained, served, sharded, tmp_path):
     """The same bench on 1 process (in this one) gives the 2 processes' per-image rewards exactly (each image's noise
     and micro-batch depend on its id only). Then the 2-process folder with one finished shard lost, as an interrupted
-    run leaves it: a 1-process rerun samples that shard alone (the others' files untouched) and writes the same
-    report; another setting gets other shards, never the stale ones."""
+    run leaves it: a 2-process rerun samples that shard alone (on rank 1; rank 0 has nothing left, the others' files
+    stay untouched) and writes the same report; another setting gets other shards, never the stale ones."""
     run_dir, overrides = trained
     args = ["bench", LORA, "suite=tiny", f"checkpoint={run_dir}", *overrides,
             "rewards=" + json.dumps(sharded["rewards"])]
@@ -148,10 +148,10 @@ def test_one_process_gives_the_same_images_and_a_rerun_does_only_what_is_left(tr
     assert cli_main([*args, f"out={out}"]) == 0  # every shard there: nothing sampled
     before, grid = json.loads((out / "report.json").read_text()), (out / "grid.png").read_bytes()
     files = sorted((out / "shards").glob("*/*.safetensors"))
-    lost = next(f for f in files if f.parent.name.startswith("checkpoint"))
+    lost = next(f for f in files if f.parent.name.startswith("checkpoint") and f.name == "00001.safetensors")
     lost.unlink()
     kept = {f: f.stat().st_mtime_ns for f in files if f != lost}
-    assert cli_main([*args, f"out={out}"]) == 0
+    assert cli_main([*args, f"out={out}", "nproc=2"]) == 0  # rank 1 has a shard to sample, rank 0 none
     assert lost.is_file() and {f: f.stat().st_mtime_ns for f in kept} == kept
     after = json.loads((out / "report.json").read_text())
     assert {k: v for k, v in after.items() if k not in ("date", "command")} == \
