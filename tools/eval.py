@@ -23,18 +23,19 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from typing import NamedTuple
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from grpo import device as dev
 from grpo import engine as eng
 from grpo.checkpoint import find_checkpoint
-from grpo.config import RecipeConfig, load_config
-from grpo.errors import ConfigError, run_command
 from grpo.checkpoint.files import _write_text_atomic
+from grpo.config import RecipeConfig, load_config
 from grpo.data import micro_batches
+from grpo.distributed import leave
+from grpo.errors import ConfigError, run_command
 from grpo.eval import eval_images, sample_heldout, score_heldout
 from grpo.export import apply_weights, trained_weights, weights_meta
 from grpo.inputs import load_ds_config, resolve_model_path
@@ -45,7 +46,6 @@ from grpo.prompt_sets import PromptSet, read_image, row_images
 from grpo.prompts import ensure_cache, ensure_negative, ensure_references, load_cache, read_prompt_set
 from grpo.rewards import build_rewards, check_reward_metadata, check_rewards, mix
 from grpo.rollout import FluxSampler
-from grpo.distributed import leave
 from tools.shards import ShardStore, barrier, join, nproc_of, relaunch, shard_key
 
 log = logging.getLogger(__name__)
