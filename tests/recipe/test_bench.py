@@ -11,14 +11,17 @@ against the same reward in-process."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests import ROOT
 from tests.recipe.launch import run_recipe, tiny_run
@@ -70,6 +73,23 @@ def served(tmp_path_factory) -> str:
         server.wait(timeout=60)
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """One CPU thread per process, in this one and in the ranks it launches (nproc=N keeps OMP_NUM_THREADS when set):
+    the 1 vs 2 processes comparison then sets the same kernels on both sides, whatever the cores of the host."""
+    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        if env is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = env
+
+
 def _remote(url: str) -> dict:
     return {"remote": {"url": url, "reward": "tiny_world_meta", "timeout": 60}}
 
@@ -80,8 +100,9 @@ def sharded(trained, served) -> dict:
     served: the report's folder and the rewards spec."""
     run_dir, overrides = trained
     rewards = {"tiny_world": 1.0, **_remote(served)}
-    assert cli_main(["bench", LORA, "suite=tiny", f"checkpoint={run_dir}", "nproc=2", *overrides,
-                     "rewards=" + json.dumps(rewards)]) == 0
+    with _one_thread():
+        assert cli_main(["bench", LORA, "suite=tiny", f"checkpoint={run_dir}", "nproc=2", *overrides,
+                         "rewards=" + json.dumps(rewards)]) == 0
     return {"out": run_dir / "bench" / "tiny" / "step_00000001", "rewards": rewards}
 
 
@@ -137,7 +158,8 @@ def test_one_process_gives_the_same_images_and_a_rerun_does_only_what_is_left(tr
     run_dir, overrides = trained
     args = ["bench", LORA, "suite=tiny", f"checkpoint={run_dir}", *overrides,
             "rewards=" + json.dumps(sharded["rewards"])]
-    assert cli_main([*args, f"out={tmp_path / 'one'}"]) == 0
+    with _one_thread():
+        assert cli_main([*args, f"out={tmp_path / 'one'}"]) == 0
     one, two = (json.loads((d / "scores.json").read_text()) for d in (tmp_path / "one", sharded["out"]))
     for which in ("base", "checkpoint"):
         assert one[which]["per_image"] == two[which]["per_image"], which
