@@ -136,9 +136,11 @@ def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weight
     micro = layout.rollout_micro_batch_size
     shards = micro_batches(list(range(eval_images(rows, cfg))), micro)
     keep = (lambda j: True) if all_images else (lambda j: j < len(rows))  # the grid shows the first seed
-    stores = {"base": ShardStore(out / "shards", shard_key(cfg, model_path, micro, None), "base")}
+    sources = [f for m in rows.metadata for f in row_images(m)]
+    stores = {"base": ShardStore(out / "shards", shard_key(cfg, model_path, micro, None, sources), "base")}
     if meta is not None:
-        stores["checkpoint"] = ShardStore(out / "shards", shard_key(cfg, model_path, micro, meta), "checkpoint")
+        stores["checkpoint"] = ShardStore(out / "shards", shard_key(cfg, model_path, micro, meta, sources),
+                                          "checkpoint")
     rank, world, device = join()
     mine = range(rank, len(shards), world)
     todo = {role: [k for k in mine if not store.done(k)] for role, store in stores.items()}

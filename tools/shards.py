@@ -91,17 +91,21 @@ def _sha256_file(path: str | Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
+def _stat(f: Path) -> list:
+    return [f.stat().st_size, f.stat().st_mtime_ns]
+
+
 def _files_signature(path: str) -> list | str:
     """The base model's files by name, size and modification time (hashing a 24 GB model at every bench would cost
     minutes; a rebuilt or replaced model changes these); a hub name that is no folder stands for itself."""
     folder = Path(path)
     if not folder.is_dir():
         return path
-    return sorted([str(f.relative_to(folder)), f.stat().st_size, f.stat().st_mtime_ns]
-                  for f in folder.rglob("*") if f.is_file())
+    return sorted([str(f.relative_to(folder)), *_stat(f)] for f in folder.rglob("*") if f.is_file())
 
 
-def shard_key(cfg: RecipeConfig, model_path: str, shard_size: int, checkpoint_meta: dict | None) -> dict:
+def shard_key(cfg: RecipeConfig, model_path: str, shard_size: int, checkpoint_meta: dict | None,
+              sources: list[str] = ()) -> dict:
     """What the shards' numbers depend on, as a dict (its hash names the shards' folder: :func:`key_name`).
 
     Args:
@@ -110,9 +114,12 @@ def shard_key(cfg: RecipeConfig, model_path: str, shard_size: int, checkpoint_me
         shard_size: images per shard (the rollout micro-batch).
         checkpoint_meta: the checkpoint's meta.json with the weights picked (grpo.export.weights_meta); None: the
             base model.
+        sources: the image files the prompts' rows name (an editing set's source images), by size and time as
+            the model's files.
     """
     key = {"format": FORMAT, "settings": to_dict(cfg), "prompts_sha256": _sha256_file(cfg.data.eval_prompts),
-           "model": _files_signature(model_path), "shard_size": shard_size}
+           "model": _files_signature(model_path), "shard_size": shard_size,
+           "sources": [[f, *_stat(Path(f))] for f in sources]}
     if checkpoint_meta is not None:
         # meta.json lists the sha256 of every file of the checkpoint: its content, not its path or name
         key["checkpoint"] = {"files": checkpoint_meta["files"], "weights": checkpoint_meta["weights"]}

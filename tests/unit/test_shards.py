@@ -28,8 +28,11 @@ def test_the_key_changes_with_what_the_numbers_depend_on(tmp_path):
     cfg = load_config(PRESET, [f"data.eval_prompts={prompts}"])
     ckpt = {"files": {"a.pt": [10, "ab" * 32]}, "weights": "model", "step": 1}
 
+    source = tmp_path / "source.png"
+    source.write_bytes(b"png")
+
     def name(c=cfg, shard_size=4, meta=None) -> str:
-        return shards.key_name(shards.shard_key(c, str(model), shard_size, meta))
+        return shards.key_name(shards.shard_key(c, str(model), shard_size, meta, [str(source)]))
 
     base, trained = name(), name(meta=ckpt)
     assert name() == base and name(meta=dict(ckpt)) == trained and base != trained  # deterministic
@@ -47,6 +50,9 @@ def test_the_key_changes_with_what_the_numbers_depend_on(tmp_path):
     weights = next(model.rglob("*.safetensors"))
     weights.write_bytes(weights.read_bytes() + b"\0")  # the base model's files, same folder
     assert name() != after_prompts
+    after_model = name()
+    source.write_bytes(b"png, edited")  # an editing set's source image, same path
+    assert name() != after_model
 
 
 def test_shard_files_round_trip_and_a_missing_one_is_one_line(tmp_path):
