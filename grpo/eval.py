@@ -4,10 +4,10 @@ One implementation serves both callers:
 
 * the recipe, every `logging.eval_every` steps, with the ZeRO-3 engine (each rank samples its share of the prompts,
   scores are gathered by global index);
-* ``python -m tools.eval CONFIG [checkpoint=PATH] [weights=auto|ema|model] [key=value ...]`` (tools/eval.py), a single
-  process without DeepSpeed, which samples the same prompts with the same noise from the base model and from a
-  checkpoint, and writes ``output_dir/eval/<checkpoint>/grid.png`` (one row per prompt: base | checkpoint) and
-  ``scores.json``.
+* ``python -m tools.eval CONFIG [checkpoint=PATH] [weights=auto|ema|model] [nproc=N] [key=value ...]``
+  (tools/eval.py) and tools.bench, without DeepSpeed's engine (one process, or shards over N: tools/shards.py), which
+  sample the same prompts with the same noise from the base model and from a checkpoint, and write ``grid.png`` (one
+  row per prompt: base | checkpoint) and ``scores.json`` beside the evaluated run.
 
 An eval draws `logging.eval_seeds` images per held-out prompt. Image j (0 <= j < n_prompts * eval_seeds) shows prompt
 j % n_prompts from the noise ``initial_noise(seed, step=0, index=j, stream=EVAL_NOISE)`` (grpo/data.py), so every
@@ -20,11 +20,13 @@ import torch
 
 from grpo.config import RecipeConfig
 from grpo.data import EVAL_NOISE, micro_batches
+from grpo.prompt_sets import PromptSet
 from grpo.prompts import PromptCache
 from grpo.rollout import FluxSampler
 
-def eval_images(cache: PromptCache, cfg: RecipeConfig) -> int:
-    """How many images an eval draws: `logging.eval_seeds` per held-out prompt."""
+def eval_images(cache: PromptCache | PromptSet, cfg: RecipeConfig) -> int:
+    """How many images an eval draws: `logging.eval_seeds` per held-out prompt (of the cache, or of the prompt set
+    it is encoded from)."""
     return len(cache) * cfg.logging.eval_seeds
 
 

@@ -45,13 +45,10 @@ def trained_weights(path: Path, weights: str = "auto") -> tuple[dict[str, torch.
     """
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    meta = ckpt.read_meta(path)
-    if weights == "ema" and not meta["ema"]:
-        raise ConfigError(f"weights: ema, but {path} has no EMA (trained with ema.decay: null); use model")
+    meta = weights_meta(path, weights)
     state = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name,
                                                      exclude_frozen_parameters=meta["lora"])
-    use_ema = meta["ema"] and weights in ("auto", "ema")
-    if use_ema:
+    if meta["weights"] == "ema":
         ema = _ema_weights(path, meta)
         missing = set(ema) - set(state)
         if missing:
@@ -59,8 +56,17 @@ def trained_weights(path: Path, weights: str = "auto") -> tuple[dict[str, torch.
         state.update(ema)
     if meta["lora"]:
         state = {k: v for k, v in state.items() if "lora_" in k}
-    meta["weights"] = "ema" if use_ema else "model"
     return state, meta
+
+
+def weights_meta(path: Path, weights: str = "auto") -> dict:
+    """A checkpoint's meta.json with "weights" set to the weights `weights` picks ("ema" or "model"), without reading
+    them (tools.eval's resumed shards need only this)."""
+    meta = ckpt.read_meta(path)
+    if weights == "ema" and not meta["ema"]:
+        raise ConfigError(f"weights: ema, but {path} has no EMA (trained with ema.decay: null); use model")
+    meta["weights"] = "ema" if meta["ema"] and weights in ("auto", "ema") else "model"
+    return meta
 
 
 def lora_metadata(lora: dict) -> dict:

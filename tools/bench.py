@@ -1,7 +1,7 @@
 """Benchmark a checkpoint on a prompt suite under the suite's pinned protocol: base vs checkpoint, paired, with reports.
 
     python -m tools.bench CONFIG suite=NAME|PATH [checkpoint=RUN_OR_CKPT[,RUN_OR_CKPT...]] [weights=auto|ema|model]
-                          [out=DIR] [key=value ...]
+                          [out=DIR] [nproc=N] [key=value ...]
 
 A suite is a folder (NAME: ``assets/suites/NAME``) holding its prompts (a prompt set: .jsonl with per-prompt
 metadata, .txt, ...), its licence and source (``SOURCE.md``, ``LICENSE``) and ``protocol.yaml``, which pins how its
@@ -17,7 +17,11 @@ base alone): tools.eval's ``grid.png`` and ``scores.json`` (``python -m tools.co
 ``report.md``: the protocol, the package versions and code commit, the mean reward, the paired gain with its standard
 error and share of images up, per tag value. Several checkpoints (e.g. one per training seed) each get their folder;
 the joint report, with the spread of the gains between them (tools.compare.spread), goes to ``out=DIR`` (required).
-One process; a rerun samples again (no sharding, no resume).
+
+``nproc=N``: the checks here, then N processes under tools.torchrun (or start it under torchrun yourself), each
+sampling and scoring its shards of the images; the same images and rewards on any N (tools/shards.py). Finished
+shards are kept under each results folder's ``shards/``, keyed by a hash of everything they depend on: a rerun
+samples only what is left, and never reuses the shards of another protocol, setting or checkpoint.
 """
 
 from __future__ import annotations
@@ -35,10 +39,11 @@ from grpo import device as dev
 from grpo import manifest
 from grpo.best import paired
 from grpo.checkpoint import find_checkpoint
+from grpo.checkpoint.files import _write_text_atomic
 from grpo.config import RecipeConfig, load_config
 from grpo.errors import ConfigError
 from tools.compare import spread
-from tools.eval import config_tool, evaluate_checkpoint
+from tools.eval import config_tool, evaluate_checkpoint, inputs
 
 log = logging.getLogger(__name__)
 
@@ -180,10 +185,10 @@ def _run_dir(cfg: RecipeConfig, suite: str, found: Path | None) -> Path:
     return run / "bench" / suite / found.name
 
 
-def bench(config: str, suite: str, checkpoints: list[str], weights: str = "auto", out: str | None = None,
-          overrides: list[str] = ()) -> Path:
-    """Bench the base model and `checkpoints` (none: the newest under output_dir, or the base alone) on `suite`;
-    returns the folder of report.md and report.json."""
+def prepare(config: str, suite: str, checkpoints: list[str], weights: str = "auto", out: str | None = None,
+            overrides: list[str] = ()) -> tuple[Path, dict, RecipeConfig, list[Path]]:
+    """The suite's folder and protocol, the preset under it and the checkpoints found, every input checked before
+    any model loads (ConfigError: one line); see :func:`bench` for the arguments."""
     folder = find_suite(suite)
     protocol = read_protocol(folder)
     cfg = load_config(config, apply_protocol(protocol, folder, list(overrides)))
@@ -191,11 +196,26 @@ def bench(config: str, suite: str, checkpoints: list[str], weights: str = "auto"
         raise ConfigError("checkpoint: several given; name the folder of their joint report with out=DIR")
     found = ([find_checkpoint(Path(c)) for c in checkpoints] if checkpoints
              else [c for c in [find_checkpoint(Path(cfg.output_dir), required=False)] if c is not None])
-    # each checkpoint's grid and scores.json beside its run (out=DIR: there, for one checkpoint or the base alone)
+    for c in found or [None]:
+        inputs(cfg, c, weights)
+    return folder, protocol, cfg, found
+
+
+def bench(config: str, suite: str, checkpoints: list[str], weights: str = "auto", out: str | None = None,
+          overrides: list[str] = ()) -> Path | None:
+    """Bench the base model and `checkpoints` (none: the newest under output_dir, or the base alone) on `suite`, in
+    shards over this job's processes (tools/shards.py); returns the folder of report.md and report.json (on rank 0;
+    None on the others)."""
+    folder, protocol, cfg, found = prepare(config, suite, checkpoints, weights, out, overrides)
+    # each checkpoint's grid and scores.json beside its run (out=DIR: there, for one checkpoint or the base alone);
+    # the grid's images only: a suite has thousands
     alone = out is not None and len(found) <= 1
-    results = [evaluate_checkpoint(cfg, c, weights, Path(out) if alone else _run_dir(cfg, folder.name, c))
+    results = [evaluate_checkpoint(cfg, c, weights, Path(out) if alone else _run_dir(cfg, folder.name, c),
+                                   all_images=False)
                for c in (found or [None])]
     first = results[0]
+    if first is None:  # a rank other than 0 of several: rank 0 writes the reports
+        return None
     stats = summarize(first["prompts"], first["metadata"], protocol["tags"], first["base"]["per_image"],
                       [r["checkpoint"]["per_image"] for r in results if r["checkpoint"]])
     s = cfg.sampling
@@ -224,8 +244,8 @@ def bench(config: str, suite: str, checkpoints: list[str], weights: str = "auto"
         "device": manifest.device_name(dev.device_for_local_rank(0)),
     }
     where.mkdir(parents=True, exist_ok=True)
-    (where / "report.json").write_text(json.dumps(report, indent=1, default=str))
-    (where / "report.md").write_text(render(report))
+    _write_text_atomic(where / "report.json", json.dumps(report, indent=1, default=str))
+    _write_text_atomic(where / "report.md", render(report))
     log.info("bench %s: base %.4f%s -> %s", folder.name, stats["base"],
              "".join(f" | gain {r['mean']:+.4f} +- {r['se']:.4f}" for r in stats["runs"]), where)
     return where
@@ -233,14 +253,18 @@ def bench(config: str, suite: str, checkpoints: list[str], weights: str = "auto"
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m tools.bench CONFIG suite=NAME|PATH [checkpoint=A[,B...]] [weights=...] [out=DIR] [key=value ...]`."""
-    def body(config: str, own: dict[str, str], overrides: list[str]) -> str:
+    def args(config: str, own: dict[str, str], overrides: list[str]) -> tuple:
         if not own.get("suite"):
             raise ConfigError("suite: missing; suite=NAME (under assets/suites/) or suite=PATH")
         checkpoints = [c for c in own.get("checkpoint", "").split(",") if c]
-        return str(bench(config, own["suite"], checkpoints, own.get("weights", "auto"), own.get("out") or None,
-                         overrides))
+        return config, own["suite"], checkpoints, own.get("weights", "auto"), own.get("out") or None, overrides
 
-    return config_tool(argv, __doc__, ("suite", "checkpoint", "weights", "out"), body)
+    def body(config: str, own: dict[str, str], overrides: list[str]) -> str | None:
+        where = bench(*args(config, own, overrides))
+        return None if where is None else str(where)
+
+    return config_tool(argv, __doc__, ("suite", "checkpoint", "weights", "out"), body, "tools.bench",
+                       lambda *a: prepare(*args(*a)))
 
 
 if __name__ == "__main__":
