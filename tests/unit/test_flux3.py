@@ -17,7 +17,7 @@ from grpo.models.flux3 import FLUX3
 from grpo.prompts import PromptCache, ensure_negative, load_cache, save_cache
 from grpo.rollout import FluxSampler
 from grpo.settings import TrueCFGConfig
-from tests import ROOT, TINY_FLUX3
+from tests import ROOT, TINY_FLUX3, attention_backends
 
 pytestmark = pytest.mark.skipif(not (TINY_FLUX3 / "modular_model_index.json").exists(),
                                 reason="tiny FLUX.3 not built")
@@ -112,3 +112,18 @@ def test_the_flow_map_is_refused_in_one_line(tmp_path):
         family_of(folder)
     assert "\n" not in str(err.value)
     shutil.rmtree(folder)
+
+
+def test_the_attention_backend_reaches_every_flux3_processor():
+    """model.attention_backend (_native_npu on Ascend; _native_math stands in on the CPU, as for FLUX.2) goes
+    through diffusers' dispatcher: every attention of FLUX.3's per-mode blocks (image, reference images, text) and
+    joint single blocks is a Flux3AttnProcessor, and each takes it. The transformer passes no attention mask, so
+    npu_fusion_attention gets none to convert."""
+    from grpo.device import set_attention_backend
+
+    model = FLUX3.load_transformer(str(TINY_FLUX3))
+    attentions = [m for m in model.modules() if hasattr(m, "processor")]
+    modes = [*model.mode_blocks.values(), model.txt_mode_blocks]  # image, image_cond; text
+    assert len(attentions) == sum(map(len, modes)) + len(model.single_transformer_blocks) == 7
+    assert set_attention_backend(model, "_native_math") == "_native_math"
+    assert attention_backends(model) == {"Flux3AttnProcessor": "_native_math"}
