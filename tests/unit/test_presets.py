@@ -59,13 +59,13 @@ MOVED = {
 NEW = ["recipes/configs/experimental/flux2_klein_awm_lora.yaml", "recipes/configs/flux2_dev/nft_lora.yaml",
        "recipes/configs/flux2_dev/awm_lora.yaml", "recipes/configs/flux1_kontext_dev/awm_lora.yaml",
        "recipes/configs/tiny_flux2/awm_lora.yaml", "recipes/configs/tiny_flux3/grpo_lora.yaml",
-       "recipes/configs/tiny_flux3/nft_lora.yaml",
+       "recipes/configs/tiny_flux3/nft_lora.yaml", "recipes/configs/tiny_flux3/awm_lora.yaml",
        *(f"recipes/configs/flux2_klein_base/{name}.yaml" for name in
          ("grpo_lora", "grpo_full", "nft_lora", "nft_full", "awm_lora", "awm_full", "grpo_lora_9b", "nft_lora_9b",
           "awm_lora_9b")),
        *(f"recipes/configs/flux3/{name}.yaml" for name in
          ("grpo_lora", "grpo_full", "nft_lora", "nft_full", "awm_lora", "awm_full"))]
-REAL = ("flux1_dev", "flux1_kontext_dev", "flux2_klein", "flux2_klein_base", "flux2_dev", "flux3")  # real models' folders
+REAL = ("flux1_dev", "flux1_kontext_dev", "flux2_klein", "flux2_klein_base", "flux2_dev", "flux3")  # real models
 # Every objective has a preset on these; the step-distilled klein keeps GRPO only, the objective a source trains it
 # with (Flow-Factory's examples/grpo/*/flux2_klein): its nft and awm presets are experimental.
 EVERY_OBJECTIVE = tuple(m for m in REAL if m != "flux2_klein")
