@@ -36,3 +36,11 @@ def tiny_flux_transformer():
     return FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
                                   num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
                                   axes_dims_rope=[4, 4, 8])
+
+
+def attention_backends(model) -> dict[str, str]:
+    """{processor class: attention backend} over every attention module of a diffusers model: what
+    grpo.device.set_attention_backend reached (model.attention_backend, e.g. _native_npu on Ascend)."""
+    return {type(m.processor).__name__: str(getattr(m.processor._attention_backend, "value",
+                                                    m.processor._attention_backend))
+            for m in model.modules() if hasattr(m, "processor")}

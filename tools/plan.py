@@ -6,7 +6,7 @@
 
 Nothing is loaded or downloaded: the transformer and the VAE are built on the meta device from their config.json
 (from model.path, the local Hugging Face cache, or flux_configs.json next to this file for FLUX.1-dev/schnell,
-FLUX.2 [dev], [klein] 4B/9B and [klein] base 4B/9B).
+FLUX.2 [dev], [klein] 4B/9B, [klein] base 4B/9B and FLUX 3 Image Klein base).
 Per device it counts:
 
   model states   ZeRO-3 partitions: weights (b bytes per parameter / N, b = 2 in bf16, 4 in fp32), gradients
@@ -66,7 +66,8 @@ from grpo.layout import derive_layout
 from grpo.objectives import objective_of
 from grpo.device import resolve_dtype
 from grpo.errors import ConfigError, run_command
-from grpo.models import ModelFamily, family_of_pipeline, family_of_transformer
+from grpo.models import ModelFamily, family_of_pipeline, family_of_transformer, index_file
+from grpo.models.base import INDEX_FILES
 from grpo.models.blocks import enable_checkpointing
 from grpo.settings import LoraConfig
 
@@ -122,18 +123,23 @@ def model_configs(path: str, revision: str | None = None) -> tuple[dict, dict | 
 
 
 def model_family(path: str, transformer_config: dict, revision: str | None = None) -> ModelFamily:
-    """The family of model.path's pipeline (its model_index.json in a local folder or the Hugging Face cache, or the
-    shipped entry's _pipeline), which knows what a transformer config cannot: e.g. that a FluxTransformer2DModel of a
-    FLUX.1-Kontext folder also reads the source image's tokens. The transformer's family when no pipeline is known."""
-    local = Path(path) / "model_index.json"
+    """The family of model.path's pipeline (its model_index.json, or a modular pipeline's modular_model_index.json,
+    in a local folder or the Hugging Face cache, or the shipped entry's _pipeline), which knows what a transformer
+    config cannot: e.g. that a FluxTransformer2DModel of a FLUX.1-Kontext folder also reads the source image's tokens.
+    The transformer's family when no pipeline is known."""
+    local = index_file(path)
     name = json.loads(local.read_text()).get("_class_name") if local.is_file() else None
     if name is None and not Path(path).is_dir():
-        try:
-            from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub import try_to_load_from_cache
 
-            hit = try_to_load_from_cache(path, "model_index.json", revision=revision)
-        except Exception:  # noqa: BLE001 -- a malformed id or no cache: fall back to the shipped configs
-            hit = None
+        hit = None
+        for index in INDEX_FILES:  # FLUX.3's folders have only the modular pipeline's index
+            try:
+                hit = try_to_load_from_cache(path, index, revision=revision)
+            except Exception:  # noqa: BLE001 -- a malformed id or no cache: fall back to the shipped configs
+                hit = None
+            if isinstance(hit, str):
+                break
         if isinstance(hit, str):
             name = json.loads(Path(hit).read_text()).get("_class_name")
         else:

@@ -295,6 +295,22 @@ class ModelFamily:
                      guidance_embeds: bool, device: torch.device, dtype: torch.dtype) -> Conditioning:
         raise NotImplementedError
 
+    def with_references(self, cond: Conditioning, embeds: dict[str, torch.Tensor], latent_size: int,
+                        device: torch.device, dtype: torch.dtype) -> Conditioning:
+        """`cond` with the rows' reference tokens from the cache (`embeds["ref_latents"]`, each image at the training
+        resolution, so (latent_size / 2)^2 tokens an image) and the family's ids for them; `cond` as it is for a
+        dataset without images (FLUX.2, FLUX.3: text to image and editing in one model)."""
+        if "ref_latents" not in embeds:
+            return cond
+        refs = embeds["ref_latents"]
+        images = refs.shape[1] // (latent_size // 2) ** 2
+        return replace(cond, ref_latents=refs.to(device=device, dtype=dtype),
+                       ref_ids=self.reference_ids(latent_size, images, device))
+
+    def reference_ids(self, latent_size: int, images: int, device: torch.device) -> torch.Tensor:
+        """[images Sr, axes] position ids of `images` reference images at the training resolution."""
+        raise NotImplementedError
+
     def velocity(self, model: torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor,
                  cond: Conditioning) -> torch.Tensor:
         """One transformer call with the pipeline's argument conventions; returns float32 velocity [B, S, C].

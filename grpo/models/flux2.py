@@ -13,8 +13,6 @@ conditions each sample on its row's images, encoded as the pipelines encode them
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from grpo.models.base import Conditioning, ModelFamily
@@ -70,12 +68,7 @@ class Flux2(ModelFamily):
             guidance=(torch.full((len(prompt_embeds),), guidance, device=device, dtype=torch.float32)
                       if guidance_embeds else None),
         )
-        if "ref_latents" not in embeds:  # a dataset without images: text to image
-            return cond
-        refs = embeds["ref_latents"]
-        images = refs.shape[1] // (latent_size // 2) ** 2  # each image at the training resolution
-        return replace(cond, ref_latents=refs.to(device=device, dtype=dtype),
-                       ref_ids=self.reference_ids(latent_size, images, device))
+        return self.with_references(cond, embeds, latent_size, device, dtype)
 
     def reference_ids(self, latent_size: int, images: int, device: torch.device) -> torch.Tensor:
         """[images Sr, 4] ids of `images` reference images on the noisy grid, T = 10, 20, ... (_prepare_image_ids)."""

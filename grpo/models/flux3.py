@@ -16,10 +16,12 @@ so here every prompt is padded to data.max_sequence_length (the same function wi
 the pipeline's encoding whenever max_sequence_length is the prompt's own multiple of 80 (80 for every world prompt of
 the tiny FLUX.3); a longer setting only adds pad tokens, as the pipeline adds them to longer prompts.
 
-Not yet: reference images (the transformer's `image_cond_hidden_states` mode, Flux3PrepareImageCondLatentsStep's
-ids with L = -1, -2, ...): a dataset with images is refused (`references` (0, 0)). The step-distilled flow map
-(Flux3DistilledModularPipeline, `flow_map: true`) is refused in one line: its transformer also takes the timestep
-each step jumps to, so it is not the velocity field the objectives' math assumes.
+Reference images (editing, the transformer's `image_cond_hidden_states` mode): each encoded by the pipeline's own
+Flux3VaeEncoderStep at the preset's square resolution, packed as Flux3PrepareImageCondLatentsStep packs them, with
+its ids (L = -1, -2, ... one value a reference) beside the noisy tokens' L = 0; up to 4 a row (this project's cap, as
+FLUX.2's; BFL: up to 10). The step-distilled flow map (Flux3DistilledModularPipeline, `flow_map: true`) is refused in
+one line: its transformer also takes the timestep each step jumps to, so it is not the velocity field the objectives'
+math assumes.
 """
 
 from __future__ import annotations
@@ -99,15 +101,46 @@ class Flux3(ModelFamily):
 
     def conditioning(self, embeds, latent_size, guidance, guidance_embeds, device, dtype) -> Conditioning:
         prompt_embeds = embeds["prompt_embeds"]
-        return Conditioning(prompt_embeds=prompt_embeds.to(device=device, dtype=dtype),
+        cond = Conditioning(prompt_embeds=prompt_embeds.to(device=device, dtype=dtype),
                             txt_ids=_steps()["text_ids"]._prepare_text_ids(prompt_embeds[:1]).to(device),
                             img_ids=self.image_ids(latent_size, device), guidance=None)  # no guidance embedding
+        return self.with_references(cond, embeds, latent_size, device, dtype)
+
+    def reference_ids(self, latent_size: int, images: int, device: torch.device) -> torch.Tensor:
+        """[images Sr, 4] ids of the references on the noisy grid, the i-th at L = -(1 + i)
+        (Flux3PrepareImageCondLatentsStep)."""
+        side = latent_size // 2
+        scale = _steps()["latents"].image_rope_scale
+        return torch.cat([_steps()["image_ids"](side, side, scale, l_coord=-(1 + i)) for i in range(images)]).to(device)
+
+    @torch.no_grad()
+    def encode_references(self, vae, paths, resolution, device) -> torch.Tensor:
+        """[N, Sr, C] float32 on the CPU: each image resized and centre-cropped to the preset's square resolution (the
+        image processor's own resize; an image of that size is left as the pipeline leaves it, a larger or non-square
+        one the pipeline would keep whole on its own canvas), then the pipeline's Flux3VaeEncoderStep (posterior mode,
+        patchified, batch-norm normalised) and Flux3PrepareImageCondLatentsStep's packing."""
+        from diffusers.image_processor import VaeImageProcessor
+        from diffusers.modular_pipelines.flux3.encoders import Flux3VaeEncoderStep
+        from diffusers.modular_pipelines.flux3.image_processor import Flux3ImageProcessor
+        from diffusers.utils import load_image
+
+        processor = Flux3ImageProcessor()
+        # the base class's preprocess at a fixed size: Flux3ImageProcessor's own one picks the size from the image
+        images = [VaeImageProcessor.preprocess(processor, load_image(p), height=resolution, width=resolution,
+                                               resize_mode="crop") for p in paths]
+        encoder = Flux3VaeEncoderStep().init_pipeline()
+        encoder.update_components(vae=vae)
+        latents = encoder(condition_images=[i.to(device) for i in images], output="image_cond_latents")
+        return torch.cat([self.pack(z) for z in latents]).float().cpu()
 
     def velocity(self, model, latents, timestep, cond) -> torch.Tensor:
-        """Flux3LoopDenoiser's call: timestep in [0, 1], no guidance input (CFG is the sampler's, as the guider's)."""
+        """Flux3LoopDenoiser's call: timestep in [0, 1], no guidance input (CFG is the sampler's, as the guider's);
+        the reference tokens, if any, in their own mode (`image_cond_hidden_states`), not appended to the noisy ones."""
         dtype = cond.prompt_embeds.dtype
+        refs = {} if cond.ref_latents is None else dict(image_cond_hidden_states=cond.ref_latents,
+                                                          image_cond_ids=cond.ref_ids)
         return model(hidden_states=latents.to(dtype), encoder_hidden_states=cond.prompt_embeds,
-                     timestep=timestep.to(dtype), img_ids=cond.img_ids, txt_ids=cond.txt_ids,
+                     timestep=timestep.to(dtype), img_ids=cond.img_ids, txt_ids=cond.txt_ids, **refs,
                      return_dict=False)[0].float()
 
     def example_inputs(self, config, batch, image_tokens, text_tokens, dtype, device="meta") -> dict:
@@ -143,4 +176,5 @@ class Flux3(ModelFamily):
 
 
 FLUX3 = Flux3(name="flux3", pipelines=("Flux3ModularPipeline", "Flux3DistilledModularPipeline"), transformer="Flux3Transformer2DModel",
-              vae="AutoencoderKLFlux2", text_folders=("text_encoder",), embed_keys=("prompt_embeds",))
+              vae="AutoencoderKLFlux2", text_folders=("text_encoder",), embed_keys=("prompt_embeds",),
+              references=(0, 4))  # up to 4 reference images a row: this project's cap, as FLUX.2's

@@ -1,5 +1,5 @@
-"""The NPU op audit command (python -m tools.npu_audit) on the tiny presets, FLUX.1 and FLUX.2 (whose RoPE diffusers
-builds in float32 on an NPU): one recipe step each, no finding. The audit
+"""The NPU op audit command (python -m tools.npu_audit) on the tiny presets, FLUX.1, FLUX.2 and FLUX.3 (whose RoPE
+diffusers builds in float32 on an NPU): one recipe step each, no finding. The audit
 itself on small models: tests/unit/test_npu_audit.py."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ TINY = REPO / "assets" / "tiny-flux" / "model_index.json"
 
 @pytest.mark.slow
 @pytest.mark.skipif(not TINY.exists(), reason="assets/tiny-flux not built")
-@pytest.mark.parametrize("preset", ["tiny/grpo_lora", "tiny/grpo_full", "tiny_flux2/grpo_lora"])
+@pytest.mark.parametrize("preset", ["tiny/grpo_lora", "tiny/grpo_full", "tiny_flux2/grpo_lora", "tiny_flux3/grpo_lora"])
 def test_tiny_presets_are_clean(preset: str, tmp_path: Path):
     proc = subprocess.run(
         [sys.executable, "-m", "tools.npu_audit", f"recipes/configs/{preset}.yaml",

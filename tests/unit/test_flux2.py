@@ -11,7 +11,7 @@ from grpo.models.flux2 import FLUX2_KLEIN
 from grpo.prompts import PromptCache
 from grpo.rollout import FluxSampler
 from grpo.settings import TrueCFGConfig
-from tests import ROOT, TINY_FLUX2
+from tests import ROOT, TINY_FLUX2, attention_backends
 
 pytestmark = pytest.mark.skipif(not (TINY_FLUX2 / "model_index.json").exists(), reason="tiny FLUX.2 not built")
 PROMPTS = ["a red circle on a blue background", "a green square on a yellow background",
@@ -130,10 +130,8 @@ def test_the_attention_backend_reaches_every_flux2_processor():
 
     model = FLUX2_KLEIN.load_transformer(str(TINY_FLUX2))
     assert set_attention_backend(model, "_native_math") == "_native_math"
-    processors = {type(m.processor).__name__: str(getattr(m.processor._attention_backend, "value",
-                                                          m.processor._attention_backend))
-                  for m in model.modules() if hasattr(m, "processor")}
-    assert processors == {"Flux2AttnProcessor": "_native_math", "Flux2ParallelSelfAttnProcessor": "_native_math"}
+    assert attention_backends(model) == {"Flux2AttnProcessor": "_native_math",
+                                         "Flux2ParallelSelfAttnProcessor": "_native_math"}
 
 
 def test_the_encoding_dtype_keys_the_cache(tmp_path):

@@ -17,10 +17,11 @@ from grpo.models.flux3 import FLUX3
 from grpo.prompts import PromptCache, ensure_negative, load_cache, save_cache
 from grpo.rollout import FluxSampler
 from grpo.settings import TrueCFGConfig
-from tests import ROOT, TINY_FLUX3
+from tests import EDITS, ROOT, TINY_FLUX3, attention_backends
 
 pytestmark = pytest.mark.skipif(not (TINY_FLUX3 / "modular_model_index.json").exists(),
                                 reason="tiny FLUX.3 not built")
+EDITS_DIR = EDITS.parent / "tiny_edit"  # the tiny edit set's source images, 64 px
 PROMPTS = ["a red circle on a blue background", "a green square on a yellow background",
            "a cyan triangle on the left on a magenta background"]
 
@@ -36,17 +37,22 @@ def setup(tmp_path_factory):
     return cfg, parts, sampler, cache
 
 
-def pipeline_images(noise: torch.Tensor, steps: int, guidance: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def pipeline_images(noise: torch.Tensor, steps: int, guidance: float,
+                    references: list[str] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Flux3ModularPipeline's images of PROMPTS (one prompt a call, as its text-encoder step takes them) from `noise`
-    [B, C, h, w], and the prompt embeddings its text-encoder step made."""
+    [B, C, h, w], each given its reference image if `references` names them, and the prompt embeddings its
+    text-encoder step made."""
+    from PIL import Image
+
     from maintainer.tiny_worlds.flux3 import sampling_pipeline
 
     pipe = sampling_pipeline(TINY_FLUX3, guidance)
     images, embeds = [], []
     with torch.no_grad():
-        for i, prompt in enumerate(PROMPTS):
+        for i, prompt in enumerate(PROMPTS[: len(noise)]):
+            image = {} if references is None else {"image": Image.open(references[i]).convert("RGB")}
             out = pipe(prompt=prompt, latents=noise[i : i + 1], height=64, width=64, num_inference_steps=steps,
-                       output_type="pt", output=["images", "prompt_embeds"])
+                       output_type="pt", output=["images", "prompt_embeds"], **image)
             images.append(out["images"])
             embeds.append(out["prompt_embeds"])
     return torch.cat(images).float(), embeds
@@ -112,3 +118,52 @@ def test_the_flow_map_is_refused_in_one_line(tmp_path):
         family_of(folder)
     assert "\n" not in str(err.value)
     shutil.rmtree(folder)
+
+
+def test_the_attention_backend_reaches_every_flux3_processor():
+    """model.attention_backend (_native_npu on Ascend; _native_math stands in on the CPU, as for FLUX.2) goes
+    through diffusers' dispatcher: every attention of FLUX.3's per-mode blocks (image, reference images, text) and
+    joint single blocks is a Flux3AttnProcessor, and each takes it. The transformer passes no attention mask, so
+    npu_fusion_attention gets none to convert."""
+    from grpo.device import set_attention_backend
+
+    model = FLUX3.load_transformer(str(TINY_FLUX3))
+    attentions = [m for m in model.modules() if hasattr(m, "processor")]
+    modes = [*model.mode_blocks.values(), model.txt_mode_blocks]  # image, image_cond; text
+    assert len(attentions) == sum(map(len, modes)) + len(model.single_transformer_blocks) == 7
+    assert set_attention_backend(model, "_native_math") == "_native_math"
+    assert attention_backends(model) == {"Flux3AttnProcessor": "_native_math"}
+
+
+def test_ode_rollout_with_a_reference_image_reproduces_flux3_modular_pipeline(setup):
+    """Editing: each prompt with a reference image (the tiny edit set's 64 px renders), encoded once by
+    FLUX3.encode_references (the pipeline's Flux3VaeEncoderStep) and sampled with its ids at L = -1, against
+    Flux3ModularPipeline given the same image (its image-conditioned workflow), guidance 1, fp32. Two prompts (the
+    pipeline encodes one a call, the test's cost)."""
+    cfg, parts, sampler, cache = setup
+    ids = [0, 1]
+    paths = [str(EDITS_DIR / f"{i:03d}.png") for i in ids]
+    refs = FLUX3.encode_references(parts.vae, paths, cfg.sampling.resolution, torch.device("cpu"))
+    assert refs.shape == (2, (sampler.latent_size // 2) ** 2, parts.transformer.config.cond_in_channels)
+    edit = PromptCache(PROMPTS, cache.embeds, references=refs, reference_index=torch.tensor([[0], [1], [0]]))
+    cond = sampler.conditioning(edit, ids)
+    assert cond.ref_ids[:, 3].unique().tolist() == [-1.0]
+    init = sampler.initial_latents(0, ids)
+    ours = sampler.decode(sampler.sample(parts.transformer, cond, init, eta=0.0).x0)
+    side = sampler.latent_size // 2
+    noise = init.cpu().transpose(1, 2).reshape(len(ids), -1, side, side)
+    expected, _ = pipeline_images(noise, cfg.sampling.num_steps, 1.0, references=paths)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
+    blind = sampler.decode(sampler.sample(parts.transformer, sampler.conditioning(cache, ids), init, eta=0.0).x0)
+    assert (blind - ours).abs().max() > 1e-2  # the reference changes the image: a dropped one would fail
+
+
+def test_two_references_take_l_minus_one_and_minus_two(setup):
+    """Several references a row: one token sequence, the i-th image's ids at L = -(1 + i), as
+    Flux3PrepareImageCondLatentsStep packs them; its H and W on the noisy grid's scaled positions."""
+    _, _, sampler, _ = setup
+    ids = FLUX3.reference_ids(sampler.latent_size, 2, torch.device("cpu"))
+    tokens = (sampler.latent_size // 2) ** 2
+    assert ids.shape == (2 * tokens, 4) and ids.dtype == torch.float32
+    assert ids[:tokens, 3].unique().tolist() == [-1.0] and ids[tokens:, 3].unique().tolist() == [-2.0]
+    torch.testing.assert_close(ids[:tokens, :3], FLUX3.image_ids(sampler.latent_size, torch.device("cpu"))[:, :3])

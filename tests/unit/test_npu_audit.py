@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from grpo.errors import ConfigError
 from tools import npu_audit
 from tools.npu_audit import Auditor
-from tests import tiny_flux_transformer
+from tests import TINY_FLUX3, tiny_flux_transformer
 
 THIS = Path(__file__).name
 
@@ -179,20 +180,43 @@ def _flux_inputs(batch: int = 2) -> dict:
                 img_ids=img_ids.reshape(16, 3), txt_ids=torch.zeros(8, 3))
 
 
-def test_tiny_flux_is_clean_in_the_npu_view_and_rope_fp64_shows_in_the_cpu_view():
+def _flux1_call():
+    """diffusers' tiny FluxTransformer2DModel and one call of it."""
+    model, inputs = tiny_flux_transformer(), _flux_inputs()
+    return model, lambda: model(**inputs).sample
+
+
+def _flux3_call():
+    """The tiny FLUX.3 transformer (assets/tiny-flux3) and one velocity call as the recipe makes it (its family's
+    ids: 4 axes, the image's H and W scaled, the text along L)."""
+    from grpo.models.flux3 import FLUX3
+
+    model = FLUX3.load_transformer(str(TINY_FLUX3))
+    torch.manual_seed(0)
+    embeds = {"prompt_embeds": torch.randn(2, 8, model.config.joint_attention_dim)}
+    cond = FLUX3.conditioning(embeds, 8, 1.0, False, torch.device("cpu"), torch.float32)
+    latents, timestep = torch.randn(2, 16, model.config.in_channels), torch.full((2,), 0.5)
+    return model, lambda: FLUX3.velocity(model, latents, timestep, cond)
+
+
+@pytest.mark.parametrize("call", [_flux1_call, pytest.param(_flux3_call, marks=pytest.mark.skipif(
+    not (TINY_FLUX3 / "modular_model_index.json").exists(), reason="tiny FLUX.3 not built"))], ids=["flux1", "flux3"])
+def test_tiny_flux_is_clean_in_the_npu_view_and_rope_fp64_shows_in_the_cpu_view(call):
+    """FLUX.1's and FLUX.3's RoPE tables are float64 on the CPU only (diffusers' maybe_adjust_dtype_for_device gives
+    float32 on an NPU); nothing else of either reads float64 or complex, in the rollout or the backward."""
     from diffusers.utils.torch_utils import maybe_adjust_dtype_for_device
 
-    model, inputs = tiny_flux_transformer(), _flux_inputs()
+    model, forward = call()
     with torch.no_grad():
-        reference = model(**inputs).sample
+        reference = forward()
 
     npu_view = Auditor()
     with npu_view:
         with npu_view.phase("rollout"), torch.no_grad():
             assert maybe_adjust_dtype_for_device(torch.float64, torch.device("cpu")) == torch.float32
-            emulated = model(**inputs).sample
+            emulated = forward()
         with npu_view.phase("train"):
-            model(**inputs).sample.pow(2).mean().backward()
+            forward().pow(2).mean().backward()
     assert npu_view.ok, npu_view.format_table()
     assert maybe_adjust_dtype_for_device(torch.float64, torch.device("cpu")) == torch.float64  # restored
     # An fp32 RoPE table (what the NPU builds) moves the output by rounding only.
@@ -200,9 +224,9 @@ def test_tiny_flux_is_clean_in_the_npu_view_and_rope_fp64_shows_in_the_cpu_view(
 
     cpu_view = Auditor(device_view=False)
     with cpu_view, torch.no_grad():
-        model(**inputs)
+        forward()
     rope = _rows(cpu_view, "float64")
-    assert rope and all(f.module == "FluxTransformer2DModel.pos_embed" for f in rope)
+    assert rope and all(f.module == f"{type(model).__name__}.pos_embed" for f in rope)
     assert all(f.site.startswith("diffusers/models/embeddings.py:") for f in rope)
     assert any("get_1d_rotary_pos_embed" in f.site for f in rope)
 

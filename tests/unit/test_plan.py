@@ -51,6 +51,32 @@ def test_klein_base_ships_kleins_configs_and_family(size):
     assert P.model_family(base, P.model_configs(base)[0]) is FLUX2_KLEIN
 
 
+def test_flux3_klein_base_config_is_shipped_with_the_real_parameter_count(tmp_path, monkeypatch):
+    """FLUX 3 Image Klein base: diffusers 0.42.1's Flux3Transformer2DModel defaults, 5.54 B parameters on the meta
+    device; its family from the shipped _pipeline offline, and from the modular pipeline's index (a FLUX.3 folder has
+    no model_index.json) once the configs are in the Hugging Face cache."""
+    import json
+
+    import huggingface_hub.constants
+
+    from grpo.models.flux2 import FLUX2_KLEIN
+    from grpo.models.flux3 import FLUX3
+
+    repo = "black-forest-labs/flux-3-image-klein-base"
+    tcfg, vae = P.model_configs(repo)
+    assert sum(p.numel() for p in P.meta_transformer(tcfg, torch.bfloat16).parameters()) == 5_538_458_368
+    assert vae["_class_name"] == "AutoencoderKLFlux2" and vae["latent_channels"] == 32
+    assert P.model_family(repo, tcfg) is FLUX3
+    # in the hub cache: the family is read from modular_model_index.json, not the shipped entry
+    snapshot = tmp_path / ("models--" + repo.replace("/", "--")) / "snapshots" / ("0" * 40)
+    (snapshot.parent.parent / "refs").mkdir(parents=True)
+    (snapshot.parent.parent / "refs/main").write_text("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "modular_model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline"}))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    assert P.model_family(repo, tcfg) is FLUX2_KLEIN  # the cached index wins (a deliberately other class)
+
+
 def test_parse_bytes():
     assert P.parse_bytes("64GB") == 64 * 2**30
     assert P.parse_bytes("80 GiB") == 80 * 2**30

@@ -59,11 +59,13 @@ MOVED = {
 NEW = ["recipes/configs/experimental/flux2_klein_awm_lora.yaml", "recipes/configs/flux2_dev/nft_lora.yaml",
        "recipes/configs/flux2_dev/awm_lora.yaml", "recipes/configs/flux1_kontext_dev/awm_lora.yaml",
        "recipes/configs/tiny_flux2/awm_lora.yaml", "recipes/configs/tiny_flux3/grpo_lora.yaml",
-       "recipes/configs/tiny_flux3/nft_lora.yaml",
+       "recipes/configs/tiny_flux3/nft_lora.yaml", "recipes/configs/tiny_flux3/awm_lora.yaml",
        *(f"recipes/configs/flux2_klein_base/{name}.yaml" for name in
          ("grpo_lora", "grpo_full", "nft_lora", "nft_full", "awm_lora", "awm_full", "grpo_lora_9b", "nft_lora_9b",
-          "awm_lora_9b"))]
-REAL = ("flux1_dev", "flux1_kontext_dev", "flux2_klein", "flux2_klein_base", "flux2_dev")  # the real models' folders
+          "awm_lora_9b")),
+       *(f"recipes/configs/flux3/{name}.yaml" for name in
+         ("grpo_lora", "grpo_full", "nft_lora", "nft_full", "awm_lora", "awm_full"))]
+REAL = ("flux1_dev", "flux1_kontext_dev", "flux2_klein", "flux2_klein_base", "flux2_dev", "flux3")  # real models
 # Every objective has a preset on these; the step-distilled klein keeps GRPO only, the objective a source trains it
 # with (Flow-Factory's examples/grpo/*/flux2_klein): its nft and awm presets are experimental.
 EVERY_OBJECTIVE = tuple(m for m in REAL if m != "flux2_klein")
@@ -254,16 +256,17 @@ def test_bases_name_no_objective_and_objectives_no_model():
     assert "extends" not in shared and not {"algorithm", "rewards", "max_steps"} & shared.keys()
 
 
-@pytest.mark.parametrize("base", ["flux2_klein", "flux2_klein_base", "flux2_dev", "tiny_flux2", "tiny_kontext",
-                                  "tiny_flux3"])
+@pytest.mark.parametrize("base", ["flux2_klein", "flux2_klein_base", "flux2_dev", "flux3", "tiny_flux2",
+                                  "tiny_kontext", "tiny_flux3"])
 def test_flux2_and_the_tiny_worlds_inherit_no_flux1_sampler(base):
-    """FLUX.2 [klein] and [dev] have their own sampler (the pipelines' dynamic shift); the tiny FLUX.2 and Kontext
-    bases restate the tiny world's instead of extending the FLUX.1 tiny base."""
+    """FLUX.2 [klein] and [dev] and FLUX.3 have their own sampler (the pipelines' schedule: FLUX.2's dynamic shift,
+    FLUX.3's constant 6.93); the tiny FLUX.2 and Kontext bases restate the tiny world's instead of extending the
+    FLUX.1 tiny base."""
     files = _files(CONFIGS / base / "base.yaml")
     assert not {(CONFIGS / "flux1_dev/base.yaml").resolve(), (CONFIGS / "tiny/base.yaml").resolve()} & set(files)
     sampling = read_yaml(CONFIGS / base / "base.yaml")["sampling"]
     assert {"resolution", "num_steps", "eta", "sde", "shift", "guidance", "group_size"} <= sampling.keys()
-    if base.startswith("flux2"):
+    if base.startswith(("flux2", "flux3")):
         assert sampling["shift"] == "dynamic"
 
 
@@ -451,7 +454,8 @@ def hub_cache(tmp_path, monkeypatch):
                  "black-forest-labs/FLUX.2-klein-4B": "Flux2KleinPipeline",
                  "black-forest-labs/FLUX.2-klein-9B": "Flux2KleinPipeline",
                  "black-forest-labs/FLUX.2-klein-base-4B": "Flux2KleinPipeline",
-                 "black-forest-labs/FLUX.2-klein-base-9B": "Flux2KleinPipeline"}
+                 "black-forest-labs/FLUX.2-klein-base-9B": "Flux2KleinPipeline",
+                 "black-forest-labs/flux-3-image-klein-base": "Flux3ModularPipeline"}
     for repo, pipeline in pipelines.items():
         folder = tmp_path / "hub" / ("models--" + repo.replace("/", "--"))
         snapshot = folder / "snapshots" / ("0" * 40)
@@ -460,7 +464,9 @@ def hub_cache(tmp_path, monkeypatch):
         for part in ("transformer", "vae"):
             (snapshot / part).mkdir(parents=True)
             (snapshot / part / "config.json").write_text(json.dumps(shipped[repo][part]))
-        (snapshot / "model_index.json").write_text(json.dumps({"_class_name": pipeline}))
+        # a ModularPipeline's save (FLUX.3) has modular_model_index.json, not model_index.json
+        index = "modular_model_index.json" if pipeline.endswith("ModularPipeline") else "model_index.json"
+        (snapshot / index).write_text(json.dumps({"_class_name": pipeline}))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     return tmp_path
