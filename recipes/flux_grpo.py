@@ -317,6 +317,7 @@ class FluxGRPORecipe:
         with clock("reward"):
             rewards, reward_stats = self.score(chunks, step)
             advantages, adv_stats = self.advantages(rewards)
+            reward_stats.update(self.objective.scored(self.models, step, rewards, self.rewards.weights))
         with clock("train"):
             self.objective.fixed_targets(self.models, chunks, step)
             if torch.isfinite(rewards).all():
