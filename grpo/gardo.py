@@ -42,7 +42,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+
+from grpo.sde import kl_same_std
 
 __all__ = ["SHARE_MAX", "SHARE_MIN", "Gardo", "ShareController", "gate", "ranks", "uncertainty"]
 
@@ -109,7 +112,8 @@ class Gardo:
     """grpo's GARDO state across the steps, the same on every rank: the gate of the current step, the share
     controller, the KL sums that trigger a refresh and when the reference was last refreshed. The reference's weights
     are the recipe's lagging copy of the policy (grpo.ema.ShardedEMA, Models.lagging, kept in checkpoints as
-    "lagging/"), which never moves on its own (grpo's lagging decay is 1) and is set to the policy by `refresh`."""
+    "lagging/"), which never moves on its own (grpo's lagging decay is 1) and is set to the policy by `scored` when a refresh is
+    due."""
 
     def __init__(self, settings, reward_names: list[str]) -> None:
         self.settings = settings
@@ -140,8 +144,6 @@ class Gardo:
     def kl(self, mean: Tensor, ref_mean: Tensor, std: Tensor, dt: float, ids: list[int]) -> tuple[Tensor, Tensor]:
         """[B] the gated KL of one transition, each weighted as in the step's mean over its gated samples (with
         graph), on the source's scale (times dt); and the micro-batch's mean over its gated rows, for the log."""
-        from grpo.sde import kl_same_std
-
         kl = kl_same_std(mean, ref_mean, std) * dt
         w = self.weight[torch.as_tensor(ids, device=self.weight.device)].to(kl.device)
         g = (w > 0).float()
@@ -151,8 +153,6 @@ class Gardo:
 
     def remember(self) -> None:
         """Collective: the step's mean gated KL over every rank; above kl_threshold, the next step refreshes first."""
-        import torch.distributed as dist
-
         if self.kl_sums is None:  # no update ran (skipped), or nothing trained
             return
         sums = self.kl_sums.double()

@@ -177,7 +177,9 @@ class GRPO(Objective):
         return self.gardo is not None  # GARDO's reference: a copy of the policy, refreshed (grpo/gardo.py)
 
     def lagging_decay(self, optimizer_steps: int) -> float:
-        return 1.0  # GARDO's reference moves only when it is refreshed (Gardo.scored)
+        # GARDO's reference moves only when it is refreshed (Gardo.scored); the recipe's update after each step is
+        # then a no-op (lerp by 0), kept rather than special-cased: a pass over the trained weights' shards
+        return 1.0
 
     def forwards_per_point(self) -> int:
         return super().forwards_per_point() + (self.gardo is not None)  # the reference's no-grad forward
