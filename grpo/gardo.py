@@ -112,8 +112,8 @@ class Gardo:
     """grpo's GARDO state across the steps, the same on every rank: the gate of the current step, the share
     controller, the KL sums that trigger a refresh and when the reference was last refreshed. The reference's weights
     are the recipe's lagging copy of the policy (grpo.ema.ShardedEMA, Models.lagging, kept in checkpoints as
-    "lagging/"), which never moves on its own (grpo's lagging decay is 1) and is set to the policy by `scored` when a refresh is
-    due."""
+    "lagging"), which never moves on its own (grpo's lagging decay is 1) and is set to the policy by `scored` when a
+    refresh is due."""
 
     def __init__(self, settings, reward_names: list[str]) -> None:
         self.settings = settings

@@ -112,7 +112,7 @@ def _gardo(overrides=()) -> Gardo:
 
 def test_the_gated_kl_is_the_sources_mean_over_gated_samples_times_dt():
     """One micro-batch holding the whole step: grpo_loss's mean of the weighted per-sample KLs is the source's
-    beta · mean over the gated samples of (mean - ref)² / (2 std_dev_t²), with the step's std = std_dev_t·sqrt(dt)."""
+    beta · mean over the gated samples of (mean - ref)² / (2 std_dev_t²), the step's std = std_dev_t·sqrt(dt)."""
     g = torch.Generator().manual_seed(3)
     n, dt = 64, 0.17
     gd = _gardo()
