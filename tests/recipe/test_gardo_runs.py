@@ -3,7 +3,8 @@ trained, JPEG compressibility scored at weight 0 as the auxiliary reward that ga
 a step whose gated KL is positive refreshes the reference before the next update: step 0's does (its second,
 off-policy update block moved the gated sample), so step 1 starts from a refreshed reference; step 1 gates nothing
 (measured: its top uncertainties tie), so step 2's reference is still the weights after step 0, neither the
-initial ones nor the current ones: only the checkpoint's "lagging" shards hold it after a restart.
+initial ones nor the current ones: only the checkpoint's "lagging" shards hold it after a restart (compared shard for
+shard at the end, since a step that gates nothing does not read it).
 
     two      the tiny grpo LoRA preset with GARDO, 3 steps, 2 update blocks a step, 2 processes, a checkpoint a step
     one      the same on 1 process, 2 steps                                  (slow)
@@ -13,7 +14,10 @@ initial ones nor the current ones: only the checkpoint's "lagging" shards hold i
 from __future__ import annotations
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+from grpo.checkpoint import rank_file
 from tests.recipe.launch import assert_resumed_step_exact, assert_two_steps_agree
 from tests.recipe.test_candidates_runs import _run
 
@@ -64,3 +68,16 @@ def test_one_vs_two_processes_and_exact_resume(tmp, two):
     step2 = two["dir"] / "checkpoints" / "step_00000002"
     resumed = _run(tmp, "resumed", GRPO, 2, [*EXTRA, "max_steps=3", f"checkpoint.resume={step2}"])
     assert_resumed_step_exact(two, resumed, at=2)
+    # The reference itself, whether or not step 2 gated a sample (when it gates none the KL, and so the logged step,
+    # does not read it): the resumed run ends with the uninterrupted run's reference shards, which are the weights
+    # after step 0 (a LoRA B moved from its zero init), not the initial ones a fresh copy would hold.
+    ours, theirs = _reference(resumed), _reference(two)
+    assert all(ours[r].keys() == theirs[r].keys() and ours[r] for r in range(2))
+    assert all(torch.equal(ours[r][k], theirs[r][k]) for r in range(2) for k in ours[r])
+    assert any(v.abs().max() > 0 for r in range(2) for k, v in ours[r].items() if "lora_B" in k)
+
+
+def _reference(run: dict) -> list[dict]:
+    """Each rank's shards of GARDO's reference (the lagging copy, "lag/*") in the run's step-3 checkpoint."""
+    folder = run["dir"] / "checkpoints" / "step_00000003"
+    return [{k: v for k, v in load_file(str(folder / rank_file(r))).items() if k.startswith("lag/")} for r in range(2)]
