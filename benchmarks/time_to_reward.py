@@ -114,6 +114,15 @@ STRATEGIES: dict[str, tuple[str, list[str], str]] = {
         f"sampling.candidates.{k}={v}"
         for k, v in (("pool", 8), ("keep_top", 2), ("keep_bottom", 2), ("preview_steps", 3)))],
                        "AWM on the best 2 + worst 2 of 8 candidates, previewed in 3 ODE steps (Sol-RL)"),
+    # GARDO (tinnerhrhe/GARDO@1cc77fb, config/gardo.py:hps_flux) at its defaults: a share of 0.1, kl_coef 0.01 and
+    # kl_threshold 3e-4 on KL·dt, a refresh every 16 steps. Scaled: the tiny world has no aesthetic or ImageReward
+    # model, so JPEG compressibility (scored at weight 0, trained on by nothing) is the one auxiliary reward whose
+    # rank disagreement with tiny_world gates the KL; 64 images a step rank against each other, not GARDO's 1152.
+    "dancegrpo_gardo": ("recipes/configs/tiny/grpo_lora.yaml",
+                        ["rewards={tiny_world: 1.0, jpeg_compressibility: 0.0}",
+                         "grpo.gardo.aux_rewards=[jpeg_compressibility]"],
+                        "DanceGRPO + GARDO's KL on the samples JPEG size ranks apart, to a reference refreshed "
+                        "every 16 steps or when that KL passes 3e-4"),
     "opgrpo": ("recipes/configs/experimental/tiny_opgrpo_lora.yaml", [],
                "DanceGRPO + a replay block of past best trajectories a step, importance-weighted (OP-GRPO)"),
     # True CFG in the rollouts (Flux2KleinPipeline's scale 4, negative prompt ""): for a non-distilled model such as

@@ -9,8 +9,9 @@ One step (`step()`, which the training loop, the tools and the tests all run) re
     reward     each rank scores its own images (with their prompts and dataset metadata); only scalars cross ranks
     advantage  rewards are gathered with their global sample index and normalised within each prompt's group
                (a tree: per depth, over its nodes)
-    reference  grpo: the reference policy's SDE means (kl_coef > 0); nft/awm: the clean samples noised at sampled
-               schedule points, with the lagging policy's and the reference's velocities there
+    reference  grpo: the reference policy's SDE means (kl_coef > 0; with grpo.gardo its refreshed copy's); nft/awm:
+               the clean samples noised at sampled schedule points, with the lagging policy's and the reference's
+               velocities there
     update     grpo: PPO-clip on the trained transitions; nft: the implicit positive/negative policies; awm:
                advantage-weighted flow matching; accumulated, then an optimizer step; then the objective's extra
                blocks, if any (grpo with replay: past trajectories from its buffer, importance-weighted)
@@ -31,6 +32,9 @@ Features and the settings that control them (every key with its help: python -m 
                                     (GRPO-Guard), sampling.branch (BranchGRPO's trees, grpo/tree.py)
     trust region .................. grpo.trust_region.kl_threshold (Flow-DPPO's KL mask in place of the ratio clip,
                                     grpo/loss.py)
+    gated KL, refreshed reference . grpo.gardo.{aux_rewards, share, kl_coef, kl_threshold, refresh_every} (GARDO: a KL
+                                    on the samples the auxiliary rewards rank apart, to a copy of the policy refreshed
+                                    on a KL trigger or every N steps, grpo/gardo.py)
     candidate selection ........... sampling.candidates.{pool, keep_top, keep_bottom, preview_steps} (Sol-RL,
                                     grpo/candidates.py), for every objective
     trajectory replay ............. grpo.replay.{size, per_step, truncate, weight_cap} (OP-GRPO, grpo/replay.py:
@@ -332,6 +336,7 @@ class FluxGRPORecipe:
         with clock("reward"):
             rewards, reward_stats = self.score(chunks, step)
             advantages, adv_stats = self.advantages(rewards)
+            reward_stats.update(self.objective.scored(self.models, step, rewards, self.rewards.weights))
         with clock("train"):
             self.objective.fixed_targets(self.models, chunks, step)
             if torch.isfinite(rewards).all():

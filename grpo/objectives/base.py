@@ -151,6 +151,12 @@ class Objective:
         return ExtraBlocks()
 
     # ------------------------------------------------------------------------------------- across the steps
+    def scored(self, models: Models, step: int, components: torch.Tensor, weights: torch.Tensor) -> dict[str, float]:
+        """After the step's rewards are gathered ([N, R] per-reward scores by global sample index, the same on every
+        rank, and their [R] weights), before its fixed targets: what the objective takes from them (grpo with GARDO:
+        the gate, and the reference refreshed when due). Returns stats logged with the step. Default: nothing."""
+        return {}
+
     def remember(self, models: Models, step: int, chunks: list[Chunk], advantages: torch.Tensor) -> None:
         """After the step's update, whether it ran or was skipped: what later steps use, from its chunks and the
         gathered advantages (collective where the objective gathers). Default: nothing."""

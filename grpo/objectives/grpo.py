@@ -20,6 +20,7 @@ import torch
 
 from grpo import health, replay
 from grpo.errors import ConfigError
+from grpo.gardo import SHARE_MAX, SHARE_MIN, Gardo
 from grpo.loss import RatioNorm, TrustRegion, grpo_loss
 from grpo.matching import drift_stats, velocity_norm
 from grpo.objectives.base import ExtraBlocks, Models, Objective, PlanTerms
@@ -43,6 +44,22 @@ class TrustRegionSettings:
 
 
 @dataclass(kw_only=True)
+class GardoSettings:
+    aux_rewards: list[str] = setting(help="the auxiliary rewards (names under rewards:, usually weight 0: scored and "
+                                          "logged, not trained) whose mean rank against the trained reward's rank "
+                                          "gates the KL (GARDO's hps_flux: aesthetic and imagereward)")
+    share: float = setting(0.1, help="base share of the samples with a non-negative uncertainty that are gated; "
+                                     "adapted each step within [0.02, 0.2] (GARDO's RiskCompensator: 0.1)")
+    kl_coef: float = setting(0.01, help="weight of the gated KL, on the source's scale: the exact Gaussian KL of a "
+                                        "transition times its dt (GARDO's train.beta, hps_flux: 0.01)")
+    kl_threshold: float = setting(3.0e-4, help="a step whose mean gated KL (times dt) exceeds it refreshes the "
+                                               "reference before the next update (GARDO's kl_thres: 3e-4, 'set "
+                                               "according to specific tasks')")
+    refresh_every: int = setting(16, help="steps after which the reference is refreshed anyway (GARDO's "
+                                          "`epoch - prev_epoch > 15`: every 16)")
+
+
+@dataclass(kw_only=True)
 class GRPOSettings:
     clip_range: float = setting(help="PPO ratio clip epsilon (DanceGRPO: 1e-4)")
     timestep_fraction: float = setting(help="share of the N-1 trainable transitions drawn per micro-batch, in (0, 1]")
@@ -62,6 +79,10 @@ class GRPOSettings:
                                                                   "transition whose KL to the rollout policy reached "
                                                                   "kl_threshold and that the advantage pushes "
                                                                   "further; null = off (the clip)")
+    gardo: GardoSettings | None = setting(None, help="GARDO's gated KL (grpo/gardo.py): a KL only on the samples "
+                                                     "whose reward the auxiliary rewards rank differently, against "
+                                                     "a copy of the policy refreshed when that KL grows or every "
+                                                     "refresh_every steps; null = off")
 
 
 def trained_transitions(num_steps: int, timestep_fraction: float) -> int:
@@ -82,6 +103,8 @@ class GRPO(Objective):
         super().__init__(cfg)
         r = self.settings.replay
         self.replay = Replay(r, cfg) if r is not None else None  # OP-GRPO's, the same on every rank; None: off
+        gd = self.settings.gardo  # GARDO's gate and refresh state (grpo/gardo.py); None: off
+        self.gardo = Gardo(gd, list(cfg.rewards)) if gd is not None else None
 
     @classmethod
     def check(cls, cfg: RecipeConfig) -> None:
@@ -116,13 +139,50 @@ class GRPO(Objective):
         if g.ratio_norm and s.branch is not None:
             raise ConfigError("sampling.branch: needs Gaussian SDE steps without grpo.ratio_norm; set ratio_norm: "
                               "false or branch: null")
+        if g.gardo is not None:
+            cls._check_gardo(cfg)
         replay.check(cfg, trained_transitions(s.num_steps, g.timestep_fraction))
+
+    @staticmethod
+    def _check_gardo(cfg: RecipeConfig) -> None:
+        g, gd = cfg.grpo, cfg.grpo.gardo
+        if g.kl_coef > 0:
+            raise ConfigError(f"grpo.kl_coef: {g.kl_coef} with grpo.gardo: GARDO's gated KL to its refreshed reference "
+                              "replaces the KL to the initial model; set grpo.kl_coef: 0")
+        if not gd.aux_rewards or any(n not in cfg.rewards for n in gd.aux_rewards):
+            raise ConfigError(f"grpo.gardo.aux_rewards: {gd.aux_rewards} must name one or more rewards of rewards: "
+                              f"({', '.join(cfg.rewards)}); add them there with weight 0 to score them untrained")
+        if not SHARE_MIN <= gd.share <= SHARE_MAX:
+            raise ConfigError(f"grpo.gardo.share: {gd.share} must be in [{SHARE_MIN}, {SHARE_MAX}], the range GARDO "
+                              "adapts it in; GARDO starts at 0.1")
+        if not gd.kl_coef > 0:
+            raise ConfigError(f"grpo.gardo.kl_coef: {gd.kl_coef} must be > 0 (GARDO: 0.01); for no KL set "
+                              "grpo.gardo: null")
+        if not gd.kl_threshold > 0:
+            raise ConfigError(f"grpo.gardo.kl_threshold: {gd.kl_threshold} must be > 0 (GARDO: 3e-4)")
+        if gd.refresh_every < 1:
+            raise ConfigError(f"grpo.gardo.refresh_every: {gd.refresh_every} must be >= 1 step (GARDO: 16)")
+        if cfg.sampling.branch is not None or g.replay is not None:
+            raise ConfigError("grpo.gardo: not with sampling.branch or grpo.replay (a tree's edges and replayed "
+                              "trajectories have no gate); set one of them to null")
 
     def points(self, num_steps: int) -> int:
         return num_steps - 1
 
     def trained_per_trajectory(self, num_steps: int) -> int:
         return trained_transitions(num_steps, self.settings.timestep_fraction)
+
+    @property
+    def uses_lagging(self) -> bool:
+        return self.gardo is not None  # GARDO's reference: a copy of the policy, refreshed (grpo/gardo.py)
+
+    def lagging_decay(self, optimizer_steps: int) -> float:
+        # GARDO's reference moves only when it is refreshed (Gardo.scored); the recipe's update after each step is
+        # then a no-op (lerp by 0), kept rather than special-cased: a pass over the trained weights' shards
+        return 1.0
+
+    def forwards_per_point(self) -> int:
+        return super().forwards_per_point() + (self.gardo is not None)  # the reference's no-grad forward
 
     def rollout_records(self) -> dict[str, bool]:
         # GRPO-Guard's RatioNorm and Flow-DPPO's KL compare the rollout's SDE means with the policy's
@@ -136,7 +196,8 @@ class GRPO(Objective):
 
     def plan_terms(self) -> PlanTerms:
         r = self.settings.replay
-        return PlanTerms(lagging_average=False, latents_per_point=0, reference_phase=self.kl_coef > 0,
+        return PlanTerms(lagging_average=self.gardo is not None, latents_per_point=0,
+                         reference_phase=self.kl_coef > 0 or self.gardo is not None,
                          kept_trajectories=r.size if r else 0, kept_transitions=r.truncate if r else 0)
 
     def extra_forwards_per_image(self, step: int, blocks: int | None = None) -> float:
@@ -157,20 +218,37 @@ class GRPO(Objective):
         return ExtraBlocks("replay", chunks, stats)
 
     def remember(self, models: Models, step: int, chunks: list[Chunk], advantages: torch.Tensor) -> None:
-        """Collective with replay: the step's best positive-advantage trajectories enter the buffer."""
+        """Collective with replay: the step's best positive-advantage trajectories enter the buffer; with GARDO,
+        whether the step's gated KL calls for a refresh."""
         if self.replay is not None:
             self.replay.remember(models, step, chunks, advantages)
+        if self.gardo is not None:
+            self.gardo.remember()
+
+    def scored(self, models: Models, step: int, components: torch.Tensor, weights: torch.Tensor) -> dict[str, float]:
+        """With GARDO: the step's gate, the reference refreshed first if due (grpo/gardo.py)."""
+        return self.gardo.scored(models, step, components, weights) if self.gardo is not None else {}
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        return (self.replay.buffer.state() if self.replay is not None else {}), {}
+        tensors = self.replay.buffer.state() if self.replay is not None else {}
+        return {**tensors, **(self.gardo.state() if self.gardo is not None else {})}, {}
 
     def load_state_dict(self, saved) -> None:
         if self.replay is not None:  # a checkpoint without "replay/*" tensors (or written before): an empty buffer
             self.replay.buffer.load(saved.rank0())
+        if self.gardo is not None:
+            self.gardo.load(saved.rank0())
 
     @torch.no_grad()
     def fixed_targets(self, models: Models, chunks: list[Chunk], step: int) -> None:
-        """The reference policy's SDE means of the trained transitions (kl_coef > 0), and its velocity's norms."""
+        """The reference policy's SDE means of the trained transitions (kl_coef > 0), and its velocity's norms; with
+        GARDO its refreshed reference's means (the lagging copy's weights swapped in, as nft's lagging forwards)."""
+        if self.gardo is not None:
+            with models.lagging.applied(), models.inference() as model:
+                for c in chunks:
+                    c.reference = {j: models.sampler.transition(model, c.cond, c.traj.latents, j).mean
+                                   for j in c.trained}
+            return
         if self.kl_coef == 0:
             return
         with models.inference(reference=True) as model:
@@ -190,13 +268,19 @@ class GRPO(Objective):
     def _loss(self, models: Models, out, c: Chunk, j: int, adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
         g, sampler = self.settings, models.sampler
         kl = kl_same_std(out.mean, c.reference[j], out.std) if g.kl_coef > 0 else None
+        kl_coef, extra = g.kl_coef, {}
+        if self.gardo is not None:  # GARDO's gated KL, on its source's scale (times dt), in place of kl_coef's
+            dt = float(sampler.sigmas[j] - sampler.sigmas[j + 1])
+            kl, extra["gardo/kl"] = self.gardo.kl(out.mean, c.reference[j], out.std, dt, c.ids)
+            kl_coef = g.gardo.kl_coef
         tree = sampler.tree
         if tree is None:
             # c.weight: a replayed trajectory's sequence-level importance weight (grpo/replay.py), else 1
             rescale = self._timestep_weights(sampler)[j] if g.timestep_rescale else 1.0
-            return grpo_loss(out.log_prob, c.traj.log_probs[:, j], adv, clip_range=g.clip_range, kl=kl,
-                             kl_coef=g.kl_coef, ratio_norm=self._ratio_norm(sampler, out, c, j),
-                             trust_region=self._trust_region(out, c, slice(None), j), weight=c.weight * rescale)
+            loss, st = grpo_loss(out.log_prob, c.traj.log_probs[:, j], adv, clip_range=g.clip_range, kl=kl,
+                                 kl_coef=kl_coef, ratio_norm=self._ratio_norm(sampler, out, c, j),
+                                 trust_region=self._trust_region(out, c, slice(None), j), weight=c.weight * rescale)
+            return loss, {**st, **extra}
         # One row per edge into depth j + 1, with that node's advantage; summed over the edges and divided by the
         # samples, so every edge of the tree weighs the same (the source's loss / (GA * edges per tree)).
         edges = tree.heads(len(c.ids), j + 1).to(adv.device)

@@ -225,14 +225,16 @@ def two_one_resumed(run: Callable[[str, str, int, list[str]], dict], config: str
             "resumed": run("resumed", config, 2, [*extra, f"checkpoint.resume={two['dir']}/checkpoints/step_00000001"])}
 
 
-def assert_resumed_step_exact(two: dict, resumed: dict) -> None:
-    """A run resumed from `two`'s step-1 checkpoint logs `two`'s step 1 (every key but the timings) and ends with its
-    step-2 weights exactly."""
+def assert_resumed_step_exact(two: dict, resumed: dict, at: int = 1) -> None:
+    """A run resumed from `two`'s step-`at` checkpoint (1: after its first step) logs `two`'s steps from there on
+    (every key but the timings) and ends with its last checkpoint's weights exactly."""
+    from grpo.checkpoint.files import checkpoint_name
+
     timed = ("step_time_s", "samples_per_s")
     untimed = lambda r: {k: v for k, v in r.items() if not k.startswith("time/") and k not in timed}  # noqa: E731
-    assert [r["step"] for r in resumed["rows"]] == [1]
-    assert [untimed(r) for r in resumed["rows"]] == [untimed(r) for r in two["rows"][1:]]
-    last = "checkpoints/step_00000002"
+    assert [r["step"] for r in resumed["rows"]] == [r["step"] for r in two["rows"][at:]]
+    assert [untimed(r) for r in resumed["rows"]] == [untimed(r) for r in two["rows"][at:]]
+    last = f"checkpoints/{checkpoint_name(len(two['rows']))}"
     assert max_abs_diff(*(trained_weights(run["dir"] / last, "model") for run in (resumed, two))) == 0
 
 

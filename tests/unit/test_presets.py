@@ -110,6 +110,7 @@ NEW_LORA_SETTINGS = {
 # The same for the grpo section, in the presets that have one.
 NEW_GRPO_SETTINGS = {
     "grpo.trust_region": None,  # new setting, off: Flow-DPPO's KL mask (the ratio clip stays)
+    "grpo.gardo": None,  # new setting, off: GARDO's gated KL and refreshed reference
 }
 # The same for the forward-process objectives' sections (nft, awm), in the presets that have one.
 NEW_FORWARD_SETTINGS = {

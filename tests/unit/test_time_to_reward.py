@@ -31,6 +31,20 @@ def test_cost_model_of_the_presets():
     assert ttr.steps_within(cfg, 1) == 1  # at least one step
 
 
+def test_the_gardo_strategy_is_dancegrpo_with_its_gated_kl():
+    """dancegrpo_gardo resolves to the default run plus GARDO at its source's defaults, JPEG compressibility scored
+    untrained as the auxiliary reward (so held-out evals read tiny_world alone), and pays its reference's forward at
+    every trained transition."""
+    base, cfg = ttr.strategy_config("dancegrpo", []), ttr.strategy_config("dancegrpo_gardo", [])
+    g = cfg.grpo.gardo
+    assert (g.aux_rewards, g.share, g.kl_coef, g.kl_threshold, g.refresh_every) == (
+        ["jpeg_compressibility"], 0.1, 0.01, 3e-4, 16)
+    assert {k: v["weight"] if isinstance(v, dict) else v for k, v in cfg.rewards.items()} == {
+        "tiny_world": 1.0, "jpeg_compressibility": 0.0}
+    assert base.grpo.gardo is None and cfg.grpo.kl_coef == base.grpo.kl_coef == 0.0
+    assert ttr.step_cost(cfg, 0) == ttr.step_cost(base, 0) + 5 == 6 + 5 * 4
+
+
 def test_compute_to_reach_interpolates_between_evals():
     curve = [(0.0, 0.50), (100.0, 0.52), (200.0, 0.56)]
     assert ttr.compute_to_reach(curve, 0.02) == pytest.approx(100.0)
