@@ -123,8 +123,10 @@ PRESETS = {
 # forward), or as another default-tier run's (nft: tests/recipe/test_matching_runs.py; awm:
 # tests/recipe/test_norm_guard_runs.py; MixGRPO-Flash's and Flash-GRPO's windows: the same transition code as
 # flowgrpo_fast's window, their own parts in process in tests/unit/test_fast.py and test_flash.py). Their costs: the
-# closed forms of tests/unit/test_rollout_plan.py.
-SLOW_PRESETS = ("flash_frozen", "nft_candidates", "awm_no_anchor", "mixgrpo_flash", "flashgrpo", "nft", "awm")
+# closed forms of tests/unit/test_rollout_plan.py. grpo_candidates: an experimental preset (recipes/configs/experimental/),
+# its selection in process in tests/unit/test_candidates.py.
+SLOW_PRESETS = ("flash_frozen", "nft_candidates", "awm_no_anchor", "mixgrpo_flash", "flashgrpo", "nft", "awm",
+                "grpo_candidates")
 
 
 # MixGRPO-Flash* is MixGRPO-Flash with its window frozen, nft_candidates grpo_candidates' selection on nft's step.
