@@ -131,8 +131,11 @@ class Gardo:
         if self.refresh_due or step - self.refreshed_at >= self.settings.refresh_every:
             models.lagging.update(0.0)  # the policy's weights now, after the last step's update
             self.refresh_due, self.refreshed_at, stats["gardo/refreshed"] = False, step, 1.0
+        # The gate's float64 ranks and quantile on the host: N numbers, and float64 is poison on an Ascend NPU (ops
+        # missing or emulated); self.weight moves to the loss's device in kl()
+        components, weights = components.detach().cpu(), weights.detach().cpu()
         if torch.isfinite(components).all():
-            main = components.double() @ weights.double().to(components.device)  # the trained reward (mix's sum)
+            main = components.double() @ weights.double()  # the trained reward (mix's sum)
             self.gated = gate(uncertainty(main, components[:, self.aux]), self.controller)
         else:  # the update is skipped (a non-finite reward); the share stays as it was
             self.gated = torch.zeros(len(components), dtype=torch.bool, device=components.device)
@@ -155,7 +158,7 @@ class Gardo:
         """Collective: the step's mean gated KL over every rank; above kl_threshold, the next step refreshes first."""
         if self.kl_sums is None:  # no update ran (skipped), or nothing trained
             return
-        sums = self.kl_sums.double()
+        sums = self.kl_sums.float()  # float32 on the device: HCCL has no float64 all-reduce to count on
         if dist.is_initialized():
             dist.all_reduce(sums)
         if sums[1] > 0 and float(sums[0] / sums[1]) > self.settings.kl_threshold:

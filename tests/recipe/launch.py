@@ -230,8 +230,9 @@ def assert_resumed_step_exact(two: dict, resumed: dict, at: int = 1) -> None:
     (every key but the timings) and ends with its last checkpoint's weights exactly."""
     from grpo.checkpoint.files import checkpoint_name
 
-    timed = ("step_time_s", "samples_per_s")
-    untimed = lambda r: {k: v for k, v in r.items() if not k.startswith("time/") and k not in timed}  # noqa: E731
+    timed = ("step_time_s", "samples_per_s")  # and time/*, perf/* (model FLOPs over a phase's wall time)
+    untimed = lambda r: {k: v for k, v in r.items()  # noqa: E731
+                         if not k.startswith(("time/", "perf/")) and k not in timed}
     assert [r["step"] for r in resumed["rows"]] == [r["step"] for r in two["rows"][at:]]
     assert [untimed(r) for r in resumed["rows"]] == [untimed(r) for r in two["rows"][at:]]
     last = f"checkpoints/{checkpoint_name(len(two['rows']))}"
