@@ -58,6 +58,22 @@ def pipeline_images(noise: torch.Tensor, steps: int, guidance: float,
     return torch.cat(images).float(), embeds
 
 
+def guided(setup, tmp_path, guidance: float) -> tuple[FluxSampler, PromptCache]:
+    """The setup's sampler and cache at guidance 1; at guidance > 1 a sampler with true CFG (sampling.true_cfg,
+    negative prompt "") and the cache loaded with the negative prompt's embeddings, as the recipe loads them."""
+    cfg, parts, plain, cache = setup
+    if guidance == 1.0:
+        return plain, cache
+    s = dataclasses.replace(cfg.sampling, true_cfg=TrueCFGConfig(scale=guidance))
+    sampler = FluxSampler.from_parts(parts, parts.vae, s, cfg.seed, torch.device("cpu"), torch.float32)
+    data = dataclasses.replace(cfg.data, cache_dir=str(tmp_path))
+    save_cache(cache, tmp_path / "prompts.safetensors")
+    cond_cache = load_cache(tmp_path / "prompts.safetensors",
+                            negative=ensure_negative(str(TINY_FLUX3), s, data, torch.device("cpu")))
+    assert cond_cache.negative["prompt_embeds"].shape == (1, *cache.embeds["prompt_embeds"].shape[1:])
+    return sampler, cond_cache
+
+
 def test_the_folder_is_flux3():
     assert family_of(TINY_FLUX3) is FLUX3
     index = json.loads((TINY_FLUX3 / "modular_model_index.json").read_text())
@@ -81,16 +97,7 @@ def test_ode_rollout_reproduces_flux3_modular_pipeline(setup, tmp_path, guidance
     encodes the prompts itself: its embeddings are the cache's too."""
     cfg, parts, plain, cache = setup
     ids = list(range(len(PROMPTS)))
-    if guidance == 1.0:
-        sampler, cond_cache = plain, cache
-    else:
-        s = dataclasses.replace(cfg.sampling, true_cfg=TrueCFGConfig(scale=guidance))
-        sampler = FluxSampler.from_parts(parts, parts.vae, s, cfg.seed, torch.device("cpu"), torch.float32)
-        data = dataclasses.replace(cfg.data, cache_dir=str(tmp_path))
-        save_cache(cache, tmp_path / "prompts.safetensors")
-        cond_cache = load_cache(tmp_path / "prompts.safetensors",
-                                negative=ensure_negative(str(TINY_FLUX3), s, data, torch.device("cpu")))
-        assert cond_cache.negative["prompt_embeds"].shape == (1, *cache.embeds["prompt_embeds"].shape[1:])
+    sampler, cond_cache = guided(setup, tmp_path, guidance)
     init = sampler.initial_latents(0, ids)
     ours = sampler.decode(sampler.sample(parts.transformer, sampler.conditioning(cond_cache, ids), init, eta=0.0).x0)
     # The pipeline draws its noise as [B, 4C, h/2, w/2] and flattens it to tokens: the same numbers, unflattened.
@@ -135,24 +142,28 @@ def test_the_attention_backend_reaches_every_flux3_processor():
     assert attention_backends(model) == {"Flux3AttnProcessor": "_native_math"}
 
 
-def test_ode_rollout_with_a_reference_image_reproduces_flux3_modular_pipeline(setup):
+@pytest.mark.parametrize("guidance", [1.0, 4.0])
+def test_ode_rollout_with_a_reference_image_reproduces_flux3_modular_pipeline(setup, tmp_path, guidance):
     """Editing: each prompt with a reference image (the tiny edit set's 64 px renders), encoded once by
     FLUX3.encode_references (the pipeline's Flux3VaeEncoderStep) and sampled with its ids at L = -1, against
-    Flux3ModularPipeline given the same image (its image-conditioned workflow), guidance 1, fp32. Two prompts (the
-    pipeline encodes one a call, the test's cost)."""
-    cfg, parts, sampler, cache = setup
+    Flux3ModularPipeline given the same image (its image-conditioned workflow), fp32, without CFG and with CFG 4 (the
+    negative branch sees the row's reference too, as the pipeline's guider passes it to both). Two prompts, sampled
+    one a call as the pipeline samples them: the same math then gives the same bits (0.0 here, 2026-12-07), while a
+    batch of two rows rounds differently (8.9e-6 at CFG 4, the edge of the tolerance)."""
+    cfg, parts, _, _ = setup
+    sampler, cache = guided(setup, tmp_path, guidance)
     ids = [0, 1]
     paths = [str(EDITS_DIR / f"{i:03d}.png") for i in ids]
     refs = FLUX3.encode_references(parts.vae, paths, cfg.sampling.resolution, torch.device("cpu"))
     assert refs.shape == (2, (sampler.latent_size // 2) ** 2, parts.transformer.config.cond_in_channels)
-    edit = PromptCache(PROMPTS, cache.embeds, references=refs, reference_index=torch.tensor([[0], [1], [0]]))
-    cond = sampler.conditioning(edit, ids)
-    assert cond.ref_ids[:, 3].unique().tolist() == [-1.0]
+    edit = dataclasses.replace(cache, references=refs, reference_index=torch.tensor([[0], [1], [0]]))
+    assert sampler.conditioning(edit, ids).ref_ids[:, 3].unique().tolist() == [-1.0]
     init = sampler.initial_latents(0, ids)
-    ours = sampler.decode(sampler.sample(parts.transformer, cond, init, eta=0.0).x0)
+    ours = torch.cat([sampler.decode(sampler.sample(parts.transformer, sampler.conditioning(edit, [i]), init[i : i + 1],
+                                                    eta=0.0).x0) for i in ids])
     side = sampler.latent_size // 2
     noise = init.cpu().transpose(1, 2).reshape(len(ids), -1, side, side)
-    expected, _ = pipeline_images(noise, cfg.sampling.num_steps, 1.0, references=paths)
+    expected, _ = pipeline_images(noise, cfg.sampling.num_steps, guidance, references=paths)
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
     blind = sampler.decode(sampler.sample(parts.transformer, sampler.conditioning(cache, ids), init, eta=0.0).x0)
     assert (blind - ours).abs().max() > 1e-2  # the reference changes the image: a dropped one would fail
