@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from grpo.checkpoint.damage import _sha256
-from grpo.checkpoint.files import META, _write_json_atomic, list_checkpoints, read_meta
+from grpo.checkpoint.files import META, write_json_atomic, list_checkpoints, read_meta
 
 log = logging.getLogger(__name__)
 
@@ -161,4 +161,4 @@ class RunManifest:
         self.data["exports"].update({name: _sha256(p) for name, p in exports.items()})
         segment = self.data["segments"][-1]
         segment["end"], segment["finished"] = _now(), finished
-        _write_json_atomic(self.path, self.data)
+        write_json_atomic(self.path, self.data)

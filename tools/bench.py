@@ -39,7 +39,7 @@ from grpo import device as dev
 from grpo import manifest
 from grpo.best import paired
 from grpo.checkpoint import find_checkpoint
-from grpo.checkpoint.files import _write_text_atomic
+from grpo.checkpoint.files import write_text_atomic
 from grpo.config import RecipeConfig, load_config
 from grpo.errors import ConfigError
 from tools.compare import spread
@@ -244,8 +244,8 @@ def bench(config: str, suite: str, checkpoints: list[str], weights: str = "auto"
         "device": manifest.device_name(dev.device_for_local_rank(0)),
     }
     where.mkdir(parents=True, exist_ok=True)
-    _write_text_atomic(where / "report.json", json.dumps(report, indent=1, default=str))
-    _write_text_atomic(where / "report.md", render(report))
+    write_text_atomic(where / "report.json", json.dumps(report, indent=1, default=str))
+    write_text_atomic(where / "report.md", render(report))
     log.info("bench %s: base %.4f%s -> %s", folder.name, stats["base"],
              "".join(f" | gain {r['mean']:+.4f} +- {r['se']:.4f}" for r in stats["runs"]), where)
     return where

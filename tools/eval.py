@@ -31,7 +31,7 @@ import torch
 from grpo import device as dev
 from grpo import engine as eng
 from grpo.checkpoint import find_checkpoint
-from grpo.checkpoint.files import _write_text_atomic
+from grpo.checkpoint.files import write_text_atomic
 from grpo.config import RecipeConfig, load_config
 from grpo.data import micro_batches
 from grpo.distributed import leave
@@ -195,7 +195,7 @@ def evaluate_checkpoint(cfg: RecipeConfig, checkpoint: str | Path | None, weight
     columns = [*sources, base_images[first], *([result["images"]["checkpoint"][first]] if found is not None else [])]
     grid = _side_by_side(*columns) if len(columns) > 1 else base_images[first]
     save_grid(grid, out / "grid.png", len(columns) if len(columns) > 1 else min(len(rows), 8))
-    _write_text_atomic(out / "scores.json", json.dumps({k: v for k, v in result.items() if k != "images"}, indent=1))
+    write_text_atomic(out / "scores.json", json.dumps({k: v for k, v in result.items() if k != "images"}, indent=1))
     result["dir"] = str(out)
     line = (f"held-out reward over {len(rows)} prompts x {cfg.logging.eval_seeds} seeds: "
             f"base {result['base']['reward_mean']:.4f}")

@@ -21,6 +21,7 @@ import math
 import sys
 from pathlib import Path
 
+from grpo.checkpoint.files import write_text_atomic
 from grpo.errors import ConfigError, run_command
 from grpo.manifest import MANIFEST
 from grpo.metrics import CURVE, _read_rows
@@ -164,9 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> str:
         page = report(args.run)
         out = Path(args.out) if args.out else Path(args.run) / "report.md"
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(page)
-        tmp.replace(out)
+        write_text_atomic(out, page)
         return str(out)
 
     return run_command(body)

@@ -59,16 +59,13 @@ def read_meta(path: str | Path) -> dict:
     return meta
 
 
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(obj, indent=1, sort_keys=True))
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+def write_json_atomic(path: Path, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True))
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
+    """`text` into `path` whole or not at all: a temp file beside it, fsynced, renamed over it (a kill -9 or a full
+    disk leaves the previous file). The one atomic text writer of the checkpoints, manifest, reports and evals."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         f.write(text)

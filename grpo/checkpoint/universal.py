@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from grpo.checkpoint.files import _FULL_TEXT, META, _disk_full, _no_space, _write_json_atomic, read_meta
+from grpo.checkpoint.files import _FULL_TEXT, META, _disk_full, _no_space, write_json_atomic, read_meta
 from grpo.checkpoint.damage import _sha256
 from grpo.errors import OutsideFailure
 
@@ -92,7 +92,7 @@ def converted(root: Path, path: Path, world: int, rank: int) -> Path:
                 raise OutsideFailure(_no_space(root, folder.name, "while converting it for this world size"))
             raise RuntimeError(f"DeepSpeed's ds_to_universal failed on {path} (exit {done.returncode}); its "
                                f"output: {tmp / 'convert.log'}\n{(tmp / 'convert.log').read_text()[-3000:]}")
-        _write_json_atomic(tmp / SOURCE, source)
+        write_json_atomic(tmp / SOURCE, source)
         tmp.rename(folder)
         log.info("converted in %.1f s", time.monotonic() - started)
     while not ready():

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from grpo import rng
-from grpo.checkpoint.files import (FORMAT, LATEST, META, _disk_full, _fsync_dir, _no_space, _write_json_atomic,
-                                   _write_text_atomic, checkpoint_name, list_checkpoints, rank_file, read_meta)
+from grpo.checkpoint.files import (FORMAT, LATEST, META, _disk_full, _fsync_dir, _no_space, write_json_atomic,
+                                   write_text_atomic, checkpoint_name, list_checkpoints, rank_file, read_meta)
 from grpo.checkpoint.universal import UNIVERSAL, converted
 from grpo.checkpoint.damage import _collective, _sha256, _share
 from grpo.config import RecipeConfig, to_dict
@@ -135,7 +135,7 @@ class Checkpointer:
         with phase():
             if self.rank == 0:
                 files = {k: v for share in shares for k, v in share.items()}
-                _write_json_atomic(tmp / META, {
+                write_json_atomic(tmp / META, {
                     "format": FORMAT, "step": state.step, "world_size": self.world,
                     "consecutive_skips": state.consecutive_skips, "total_skips": state.total_skips,
                     "lora": self.cfg.lora is not None, **{k: part is not None for k, part in parts.items()},
@@ -147,7 +147,7 @@ class Checkpointer:
                 if final.exists():  # e.g. a corrupted checkpoint of the same step left behind
                     shutil.rmtree(final)
                 tmp.rename(final)
-                _write_text_atomic(self.root / LATEST, name)
+                write_text_atomic(self.root / LATEST, name)
                 _fsync_dir(self.root)
                 self._prune()  # only now: the new checkpoint is complete and `latest` names it
         return final
