@@ -17,6 +17,20 @@ from maintainer.tiny_worlds.kontext import SOURCE, build_kontext
 PROG = "python -m maintainer.tiny_worlds"
 
 
+_UNSET = object()
+
+
+def _given(p: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
+    """The flags the command line sets, also those set to the parser's default: the FLUX.3 and Kontext builders have
+    defaults of their own, so `--images-per-prompt 32` (the parser's default) must still reach them."""
+    defaults = {a.dest: a.default for a in p._actions if a.dest != "help"}
+    p.set_defaults(**dict.fromkeys(defaults, _UNSET))
+    try:
+        return {k for k, v in vars(p.parse_args(argv)).items() if v is not _UNSET}
+    finally:
+        p.set_defaults(**defaults)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog=PROG, description="Build a tiny world's model folder, fully offline.")
     p.add_argument("--out", type=Path, required=True, help="output folder (diffusers layout of the family's pipeline)")
@@ -59,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
                             "of 32 (default 8; 0: never)")
     args = p.parse_args(argv)
     if args.family == "flux1-kontext":
-        given = {a for a in vars(args) if getattr(args, a) != p.get_default(a)}
+        given = _given(p, argv)
         other = sorted(given - {"family", "out", "init_from", "copy", "threads", "transformer_steps",
                                 "transformer_batch", "transformer_lr", "shift", "images_per_prompt", "seed",
                                 "eval_steps", "eval_seeds"})
@@ -76,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
                             eval_steps=args.eval_steps, eval_seeds=args.eval_seeds))
         return
     if args.family == "flux3":
-        given = {a for a in vars(args) if getattr(args, a) != p.get_default(a)}
+        given = _given(p, argv)
         other = sorted(given - {"family", "out", "threads", "transformer_steps", "transformer_batch", "transformer_lr",
                                 "shift", "images_per_prompt", "seed", "eval_steps", "eval_seeds", "layers",
                                 "single_layers", "cfg_dropout"})

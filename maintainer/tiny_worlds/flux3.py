@@ -229,6 +229,9 @@ def build_flux3(out: Path, transformer_steps: int = 600, transformer_batch: int 
             if isinstance(spec, list) and len(spec) == 3 and spec[2].get("pretrained_model_name_or_path"):
                 spec[2]["pretrained_model_name_or_path"] = None
         index_path.write_text(json.dumps(index, indent=2) + "\n")
+        vae_config = out / "vae" / "config.json"  # the VAE's source as a repository path, not this machine's
+        vae_config.write_text(json.dumps({**json.loads(vae_config.read_text()),
+                                          "_name_or_path": str(VAE_SOURCE.relative_to(ROOT))}, indent=2) + "\n")
     summary = {"family": "flux3", "seed": seed, "vae": "assets/tiny-flux2/vae (copied)",
                "transformer_steps": transformer_steps, "transformer_batch": transformer_batch,
                "transformer_lr": transformer_lr, "shift": shift, "images_per_prompt": images_per_prompt,
