@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from grpo.checkpoint.damage import _sha256
-from grpo.checkpoint.files import META, write_json_atomic, list_checkpoints, read_meta
+from grpo.checkpoint.files import META, list_checkpoints, read_meta, write_json_atomic
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from grpo.checkpoint.files import _FULL_TEXT, META, _disk_full, _no_space, write_json_atomic, read_meta
+from grpo.checkpoint.files import _FULL_TEXT, META, _disk_full, _no_space, read_meta, write_json_atomic
 from grpo.checkpoint.damage import _sha256
 from grpo.errors import OutsideFailure
 

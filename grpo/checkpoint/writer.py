@@ -16,8 +16,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from grpo import rng
-from grpo.checkpoint.files import (FORMAT, LATEST, META, _disk_full, _fsync_dir, _no_space, write_json_atomic,
-                                   write_text_atomic, checkpoint_name, list_checkpoints, rank_file, read_meta)
+from grpo.checkpoint.files import (FORMAT, LATEST, META, _disk_full, _fsync_dir, _no_space, checkpoint_name,
+                                   list_checkpoints, rank_file, read_meta, write_json_atomic, write_text_atomic)
 from grpo.checkpoint.universal import UNIVERSAL, converted
 from grpo.checkpoint.damage import _collective, _sha256, _share
 from grpo.config import RecipeConfig, to_dict
