@@ -44,3 +44,25 @@ def attention_backends(model) -> dict[str, str]:
     return {type(m.processor).__name__: str(getattr(m.processor._attention_backend, "value",
                                                     m.processor._attention_backend))
             for m in model.modules() if hasattr(m, "processor")}
+
+
+def true_cfg_sampler(cfg, parts, cache, model_path: Path, tmp_path: Path, scale: float):
+    """A sampler of `cfg`'s settings with true CFG at `scale` (sampling.true_cfg, negative prompt "") and `cache`
+    reloaded with the negative prompt's embeddings encoded by the recipe's own path (grpo.prompts.ensure_negative into
+    a cache under `tmp_path`), as the recipe loads them: what the parity tests hold against the pipelines' CFG."""
+    import dataclasses
+
+    import torch
+
+    from grpo.prompts import ensure_negative, load_cache, save_cache
+    from grpo.rollout import FluxSampler
+    from grpo.settings import TrueCFGConfig
+
+    s = dataclasses.replace(cfg.sampling, true_cfg=TrueCFGConfig(scale=scale))
+    sampler = FluxSampler.from_parts(parts, parts.vae, s, cfg.seed, torch.device("cpu"), torch.float32)
+    data = dataclasses.replace(cfg.data, cache_dir=str(tmp_path))
+    save_cache(cache, tmp_path / "prompts.safetensors")
+    guided = load_cache(tmp_path / "prompts.safetensors",
+                        negative=ensure_negative(str(model_path), s, data, torch.device("cpu")))
+    assert guided.negative["prompt_embeds"].shape == (1, *cache.embeds["prompt_embeds"].shape[1:])
+    return sampler, guided

@@ -11,7 +11,7 @@ from grpo.models.flux2 import FLUX2_KLEIN
 from grpo.prompts import PromptCache
 from grpo.rollout import FluxSampler
 from grpo.settings import TrueCFGConfig
-from tests import ROOT, TINY_FLUX2, attention_backends
+from tests import ROOT, TINY_FLUX2, attention_backends, true_cfg_sampler
 
 pytestmark = pytest.mark.skipif(not (TINY_FLUX2 / "model_index.json").exists(), reason="tiny FLUX.2 not built")
 PROMPTS = ["a red circle on a blue background", "a green square on a yellow background",
@@ -53,18 +53,8 @@ def test_ode_rollout_with_true_cfg_reproduces_flux2_klein_pipeline_at_guidance_4
     """sampling.true_cfg.scale=4 on the non-distilled tiny FLUX.2: Flux2KleinPipeline's true CFG at its default
     guidance_scale 4.0, negative prompt "" (encoded here through the recipe's cache, there by the pipeline), the two
     branches two calls here as there. Without CFG the same rollout is another image."""
-    import dataclasses
-
-    from grpo.prompts import ensure_negative, load_cache, save_cache
-
     cfg, parts, sampler, cache = setup
-    s = dataclasses.replace(cfg.sampling, true_cfg=TrueCFGConfig(scale=4.0))
-    guided = FluxSampler.from_parts(parts, parts.vae, s, cfg.seed, torch.device("cpu"), torch.float32)
-    data = dataclasses.replace(cfg.data, cache_dir=str(tmp_path))
-    save_cache(cache, tmp_path / "prompts.safetensors")
-    cfg_cache = load_cache(tmp_path / "prompts.safetensors",
-                           negative=ensure_negative(str(TINY_FLUX2), s, data, torch.device("cpu")))
-    assert cfg_cache.negative["prompt_embeds"].shape == (1, *cache.embeds["prompt_embeds"].shape[1:])
+    guided, cfg_cache = true_cfg_sampler(cfg, parts, cache, TINY_FLUX2, tmp_path, 4.0)
     ids = list(range(len(PROMPTS)))
     init = guided.initial_latents(0, ids)
     ours = guided.decode(guided.sample(parts.transformer, guided.conditioning(cfg_cache, ids), init, eta=0.0).x0)
@@ -73,7 +63,7 @@ def test_ode_rollout_with_true_cfg_reproduces_flux2_klein_pipeline_at_guidance_4
     pipe = Flux2KleinPipeline.from_pretrained(str(TINY_FLUX2), dtype=torch.float32)
     assert pipe.config.is_distilled is False
     with torch.no_grad():
-        expected = pipe(prompt=PROMPTS, latents=noise, height=64, width=64, num_inference_steps=s.num_steps,
+        expected = pipe(prompt=PROMPTS, latents=noise, height=64, width=64, num_inference_steps=cfg.sampling.num_steps,
                         guidance_scale=4.0, max_sequence_length=cfg.data.max_sequence_length,
                         output_type="pt").images
     torch.testing.assert_close(ours, expected.float(), atol=1e-5, rtol=0)

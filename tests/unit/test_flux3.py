@@ -14,10 +14,9 @@ from grpo.config import load_config
 from grpo.errors import ConfigError
 from grpo.models import family_of
 from grpo.models.flux3 import FLUX3
-from grpo.prompts import PromptCache, ensure_negative, load_cache, save_cache
+from grpo.prompts import PromptCache
 from grpo.rollout import FluxSampler
-from grpo.settings import TrueCFGConfig
-from tests import EDITS, ROOT, TINY_FLUX3, attention_backends
+from tests import EDITS, ROOT, TINY_FLUX3, attention_backends, true_cfg_sampler
 
 pytestmark = pytest.mark.skipif(not (TINY_FLUX3 / "modular_model_index.json").exists(),
                                 reason="tiny FLUX.3 not built")
@@ -59,19 +58,10 @@ def pipeline_images(noise: torch.Tensor, steps: int, guidance: float,
 
 
 def guided(setup, tmp_path, guidance: float) -> tuple[FluxSampler, PromptCache]:
-    """The setup's sampler and cache at guidance 1; at guidance > 1 a sampler with true CFG (sampling.true_cfg,
-    negative prompt "") and the cache loaded with the negative prompt's embeddings, as the recipe loads them."""
+    """The setup's sampler and cache at guidance 1; at guidance > 1 a sampler with true CFG and the cache with the
+    negative prompt's embeddings (tests.true_cfg_sampler)."""
     cfg, parts, plain, cache = setup
-    if guidance == 1.0:
-        return plain, cache
-    s = dataclasses.replace(cfg.sampling, true_cfg=TrueCFGConfig(scale=guidance))
-    sampler = FluxSampler.from_parts(parts, parts.vae, s, cfg.seed, torch.device("cpu"), torch.float32)
-    data = dataclasses.replace(cfg.data, cache_dir=str(tmp_path))
-    save_cache(cache, tmp_path / "prompts.safetensors")
-    cond_cache = load_cache(tmp_path / "prompts.safetensors",
-                            negative=ensure_negative(str(TINY_FLUX3), s, data, torch.device("cpu")))
-    assert cond_cache.negative["prompt_embeds"].shape == (1, *cache.embeds["prompt_embeds"].shape[1:])
-    return sampler, cond_cache
+    return (plain, cache) if guidance == 1.0 else true_cfg_sampler(cfg, parts, cache, TINY_FLUX3, tmp_path, guidance)
 
 
 def test_the_folder_is_flux3():
