@@ -145,6 +145,19 @@ def test_shipped_model_loosely_follows_heldout_prompts(shipped):
     assert 0.45 < s.mean().item() < 0.9
 
 
+def test_flags_given_at_the_parsers_default_reach_the_flux3_builder(tmp_path, monkeypatch):
+    """`--images-per-prompt 32` is also the parser's default; the FLUX.3 builder's own is 16, so a flag the command
+    line gives must reach it whatever its value (it was dropped once, and a world built with 16)."""
+    from maintainer.tiny_worlds import flux3
+
+    seen = {}
+    monkeypatch.setattr(flux3, "build_flux3", lambda out, **kw: seen.update(kw) or {})
+    monkeypatch.setattr(cli.torch, "set_num_threads", lambda n: None)
+    cli.main(["--family", "flux3", "--out", str(tmp_path / "x"), "--images-per-prompt", "32",
+              "--transformer-steps", "5"])
+    assert seen == {"images_per_prompt": 32, "transformer_steps": 5}
+
+
 def test_flux2_options_are_refused_for_flux1(tmp_path):
     with pytest.raises(SystemExit, match="flux2 option"):
         cli.main(["--out", str(tmp_path / "x"), "--cfg-dropout", "0.2"])
