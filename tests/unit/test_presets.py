@@ -130,6 +130,9 @@ def deliberate(preset: str) -> dict[str, object]:
     if Path(OLD.get(preset, preset)).parent.name == "tiny_flux2":
         # the held-out evals at the world's inference setting, true CFG 4 (Flux2KleinPipeline on a non-distilled klein)
         changes["sampling.eval_cfg_scale"] = 4.0
+    if preset == "recipes/configs/tiny_flux2/nft_lora.yaml":
+        # ... but the CFG-free DiffusionNFT default run is judged as DiffusionNFT samples: without CFG, as it ran
+        changes["sampling.eval_cfg_scale"] = 1.0
     return changes
 
 
