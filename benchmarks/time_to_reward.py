@@ -123,6 +123,14 @@ STRATEGIES: dict[str, tuple[str, list[str], str]] = {
                          "grpo.gardo.aux_rewards=[jpeg_compressibility]"],
                         "DanceGRPO + GARDO's KL on the samples JPEG size ranks apart, to a reference refreshed "
                         "every 16 steps or when that KL passes 3e-4"),
+    # Flow-DPPO's trust region acts only off-policy: the tiny presets make one update a rollout (ratio exactly 1,
+    # nothing clipped or masked), so both arms take DanceGRPO's own 2 update blocks a rollout, and differ only in
+    # the clip (1e-4, DanceGRPO's) or the KL mask at the threshold of UniRL@1a7b501 and verl-omni@a1139ba (1e-5).
+    "dancegrpo_u2": ("recipes/configs/tiny/grpo_lora.yaml", ["batch.updates_per_step=2"],
+                     "DanceGRPO, 2 update blocks a rollout (its own), the ratio clipped at 1e-4"),
+    "dancegrpo_dppo": ("recipes/configs/tiny/grpo_lora.yaml",
+                       ["batch.updates_per_step=2", "grpo.trust_region={kl_threshold: 1.0e-5}"],
+                       "DanceGRPO, 2 update blocks a rollout, Flow-DPPO's KL mask (1e-5) in place of the clip"),
     "opgrpo": ("recipes/configs/experimental/tiny_opgrpo_lora.yaml", [],
                "DanceGRPO + a replay block of past best trajectories a step, importance-weighted (OP-GRPO)"),
     # True CFG in the rollouts (Flux2KleinPipeline's scale 4, negative prompt ""): for a non-distilled model such as
