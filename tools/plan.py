@@ -20,7 +20,8 @@ Per device it counts:
                  extra peak over them. Attention is counted as a fused kernel (q, k, v, out and the log-sum-exp, as
                  SDPA-flash and NPU fusion attention keep), never an S x S matrix.
   rollout        the full gathered weights (deepspeed.gather_for_rollout) or ZeRO-3's in-flight parameters, and the
-                 peak of live tensors of one no-grad forward (traced), plus the trajectories kept until the update.
+                 peak of live tensors of one no-grad forward (traced), plus the trajectories kept until the update
+                 (with Flow-DPPO's trust region or RatioNorm also each step's float32 SDE mean).
   reference      full fine-tune with kl_coef > 0: a second set of weight partitions; LoRA: nothing (adapters off).
   true CFG       sampling.true_cfg makes every velocity two transformer calls (conditional, then negative). In the
                  update that trains the guided velocity (grpo; nft/awm with train: guided) both calls' graphs are
@@ -527,6 +528,8 @@ def plan(cfg: RecipeConfig, devices: int, ds: dict | None = None, transformer_co
                   + text_tokens * transformer_config["joint_attention_dim"] * b + 3 * cfg.sampling.resolution**2 * 4
                   + ref_tokens * transformer_config["in_channels"] * b)
     per_sample += layout.trained_transitions * terms.latents_per_point * latent_bytes  # the objective's, per point
+    # GRPO-Guard's RatioNorm and Flow-DPPO's KL: each step's float32 SDE mean, recorded by the rollout (grpo/rollout.py)
+    per_sample += cfg.sampling.num_steps * latent_bytes * objective.rollout_records().get("keep_means", False)
     trajectories = layout.samples_per_rank * per_sample
     gathered = n_params * b if cfg.deepspeed.gather_for_rollout else in_flight
     # True CFG without grad (the rollouts', or the evals' alone: eval_cfg_scale): the conditional velocity [r, S, C] in

@@ -8,6 +8,7 @@ import torch
 from benchmarks._common import build_transformer, transformer_config
 from grpo.config import load_config
 from grpo.errors import ConfigError
+from grpo.layout import derive_layout
 from grpo.models.blocks import checkpointed_blocks, enable_checkpointing
 from tools import plan as P
 from tests import ROOT
@@ -171,6 +172,21 @@ def test_the_replay_buffer_is_counted_in_host_memory_and_its_block_in_the_update
     entry = (r.truncate + 1) * latent + r.truncate * 4
     assert p.host == {"replay buffer (every rank)": r.size * entry} and off.host == {}
     assert p.phase_total("update") - off.phase_total("update") == 16 * entry  # 32 images a block over 2 ranks
+
+
+@pytest.mark.parametrize("setting", ["grpo.trust_region={kl_threshold: 1.0e-5}", "grpo.ratio_norm=true"])
+def test_the_rollout_batch_counts_the_sde_means_that_flow_dppo_and_ratio_norm_keep(setting):
+    """Flow-DPPO's KL and GRPO-Guard's RatioNorm compare the policy's SDE means with the rollout's: the rollout keeps
+    one float32 mean per step and sample until the update, as many bytes as the latents after each step."""
+    preset = str(ROOT / "recipes/configs/tiny/grpo_lora.yaml")
+    extra = ["sampling.sde=flow"] if "ratio_norm" in setting else []  # RatioNorm is Flow-SDE's
+    off, on = (P.plan(load_config(preset, [*extra, *o]), 2) for o in ([], [setting]))
+    cfg = load_config(preset)
+    channels = P.model_configs(str(ROOT / "assets/tiny-flux"))[0]["in_channels"]
+    per_rank = derive_layout(cfg, 2).samples_per_rank
+    means = per_rank * cfg.sampling.num_steps * on.image_tokens * channels * 4
+    for phase in ("rollout", "decode", "reward", "update"):
+        assert on.phases[phase]["rollout batch"] - off.phases[phase]["rollout batch"] == means > 0
 
 
 # ------------------------------------------------------------------------------------------------------- true CFG
